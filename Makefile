@@ -1,0 +1,16 @@
+# The two set-up commands of the README.
+PY ?= python3
+
+.PHONY: demo test install install-dev
+
+install:
+	bash scripts/install.sh
+
+install-dev:
+	bash scripts/install.sh --dev
+
+demo: install
+	megatron-search demo
+
+test: install-dev
+	$(PY) -m pytest -q -p no:cacheprovider tests

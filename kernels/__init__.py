@@ -1,0 +1,1 @@
+"""Fused kernels (Triton on GPU, torch references on CPU), installed as `megatron_search.kernels`."""

@@ -1,0 +1,58 @@
+"""Model and parallelism sections."""
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, PositiveInt
+
+from .base import Section
+from .hf import Architecture, architecture_from_hf, load_hf_config
+
+
+class ModelConfig(Section):
+    """Which model to build: a Hugging Face config.json plus Megatron build choices."""
+
+    hf_config: str = Field(
+        "configs/models/tiny_qwen3_moe",
+        description="config.json (or a directory holding one) of the HF model; relative paths "
+        "resolve against the repository root, then the current directory.",
+    )
+    checkpoint: Optional[str] = Field(None, description="HF safetensors directory to initialise from")
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
+        "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
+    )
+    recompute: Literal["none", "selective", "full"] = "none"
+    mtp: bool = Field(False, description="build the multi-token-prediction layers when the model has them")
+    seed: int = 1234
+
+    def resolved_hf_config(self) -> Path:
+        p = Path(self.hf_config)
+        if p.is_absolute() or p.exists():
+            return p
+        repo_root = Path(__file__).resolve().parents[2]
+        return repo_root / p
+
+    @cached_property
+    def architecture(self) -> Architecture:
+        path = self.resolved_hf_config()
+        return architecture_from_hf(load_hf_config(path), where=str(path))
+
+
+class ParallelConfig(Section):
+    """Megatron parallel layout. DP is derived: world / (TP * PP * CP)."""
+
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    vpp: Optional[PositiveInt] = Field(None, description="virtual pipeline stages per rank")
+    cp: PositiveInt = 1
+    ep: PositiveInt = 1
+    etp: PositiveInt = Field(1, description="expert tensor parallel size")
+    sequence_parallel: bool = False
+    world_size: Optional[PositiveInt] = Field(
+        None, description="expected world size; checked against TP*PP*CP*DP when given and at launch"
+    )
+    distributed_optimizer: bool = True
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")

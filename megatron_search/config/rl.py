@@ -1,0 +1,30 @@
+"""GRPO section (RECIPE section 3)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+from .base import Section
+
+
+class GRPOConfig(Section):
+    steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = 32
+    group_size: PositiveInt = Field(8, description="G rollouts per prompt")
+    micro_batch_size: PositiveInt = 1
+    updates_per_batch: PositiveInt = Field(
+        1, description="optimizer steps per rollout batch; >1 makes pi_old enter through PPO clipping"
+    )
+    # Advantages: A_i = (R_i - mean_g R) / (std_g R + eps), or no std division.
+    advantage_std_normalize: bool = True
+    advantage_eps: PositiveFloat = 1e-6
+    # Importance sampling against the inference engine.
+    is_level: Literal["token", "sequence"] = Field("token", description="token IS (recipe) or GSPO-style sequence IS")
+    is_cap: Optional[PositiveFloat] = Field(None, description="truncated IS: cap C on the IS weight; None = off")
+    clip_eps_low: NonNegativeFloat = Field(0.2, description="PPO clip (only with updates_per_batch > 1)")
+    clip_eps_high: NonNegativeFloat = 0.2
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean"] = Field(
+        "seq_mean_token_mean", description="recipe default: mean over tokens of each sequence, then over sequences"
+    )
+    routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")

@@ -1,0 +1,48 @@
+"""Rollout engine and search tool sections (RECIPE sections 6 and 8)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from .base import Section
+
+
+class SearchConfig(Section):
+    backend: Literal["local", "searxng"] = "local"
+    index_dir: Optional[str] = Field(None, description="local index built by tools/build_search_index.py")
+    corpus: Optional[str] = Field(None, description="JSONL corpus (id, title, url, text) for the local backend")
+    url: str = Field("http://127.0.0.1:8888", description="SearXNG base URL")
+    api_key_env: Optional[str] = Field(None, description="environment variable holding an API key (never logged)")
+    max_results: PositiveInt = Field(10, description="results per call (RECIPE 6)")
+    max_query_chars: PositiveInt = Field(250, description="longest query (RECIPE 6)")
+    max_calls: NonNegativeInt = Field(5, description="tool calls per rollout (RECIPE 6)")
+    timeout_s: PositiveFloat = 10.0
+    retries: NonNegativeInt = 2
+
+
+class SGLangConfig(Section):
+    tp: PositiveInt = 1
+    ep: PositiveInt = 1
+    dp: PositiveInt = 1
+    mem_fraction_static: float = Field(0.8, gt=0.0, le=1.0)
+    host: str = "127.0.0.1"
+    base_port: PositiveInt = 30000
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class RolloutConfig(Section):
+    engine: Literal["local", "sglang"] = "local"
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    num_engines: PositiveInt = 1
+    engine_urls: list[str] = Field(default_factory=list, description="already running engines (disaggregated)")
+    max_new_tokens: PositiveInt = Field(1024, description="per assistant turn during training")
+    max_total_tokens: PositiveInt = Field(8192, description="whole transcript budget")
+    temperature: NonNegativeFloat = 1.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    concurrency: PositiveInt = 64
+    inflight_on_update: Literal["abort", "finish"] = Field(
+        "finish", description="what happens to in-flight requests when weights are updated"
+    )
+    weight_bucket_mb: PositiveInt = 512
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)

@@ -1,0 +1,94 @@
+"""The one typed config schema for every stage, with the cross-field checks.
+
+Each component owns a small section (`model`, `parallel`, `grpo`, ...); the root `Config`
+composes them and runs the checks that span sections. Every problem is reported on its own
+line naming the field, so one failed load shows everything that needs fixing.
+"""
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from .base import Section
+from .data import DataConfig
+from .eval import EvalConfig
+from .hf import HFConfigError
+from .model import ModelConfig, ParallelConfig
+from .reward import RewardConfig
+from .rl import GRPOConfig
+from .rollout import RolloutConfig, SearchConfig
+from .training import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig, SFTConfig
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    search: SearchConfig = Field(default_factory=SearchConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        problems = layout_problems(self, self.parallel.world_size)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tp * p.pp * p.cp)
+
+
+def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
+    """Every violated parallelism rule, one message each (empty when the layout is valid).
+
+    Also called at launch with the real world size, so torchrun/Slurm mismatches fail the same way.
+    """
+    p = cfg.parallel
+    out: list[str] = []
+    try:
+        arch = cfg.model.architecture
+    except HFConfigError as e:
+        return [f"model.hf_config: {e}"]
+    model_ranks = p.tp * p.pp * p.cp
+    if world_size is not None:
+        if world_size % model_ranks:
+            out.append(
+                f"parallel.world_size: {world_size} is not TP x PP x CP x DP for TP={p.tp} PP={p.pp} "
+                f"CP={p.cp} (needs a multiple of {model_ranks})"
+            )
+        else:
+            dp = world_size // model_ranks
+            if (p.tp * p.cp * dp) % (p.ep * p.etp):
+                out.append(
+                    f"parallel.ep: EP x ETP = {p.ep * p.etp} must divide TP x CP x DP = {p.tp * p.cp * dp} "
+                    f"(the ranks of one pipeline stage)"
+                )
+    if arch.num_experts % p.ep:
+        out.append(f"parallel.ep: {arch.num_experts} experts are not divisible by EP={p.ep}")
+    if arch.num_attention_heads % p.tp:
+        out.append(f"parallel.tp: {arch.num_attention_heads} attention heads are not divisible by TP={p.tp}")
+    if arch.num_key_value_heads % p.tp:
+        out.append(
+            f"parallel.tp: {arch.num_key_value_heads} key/value heads (query groups) are not divisible by TP={p.tp}"
+        )
+    if arch.is_hybrid:
+        if arch.linear_num_key_heads % p.tp:
+            out.append(f"parallel.tp: {arch.linear_num_key_heads} GDN key heads are not divisible by TP={p.tp}")
+        if arch.linear_num_value_heads % p.tp:
+            out.append(f"parallel.tp: {arch.linear_num_value_heads} GDN value heads are not divisible by TP={p.tp}")
+    if arch.num_experts > 0 and p.tp > 1 and not p.sequence_parallel:
+        out.append("parallel.sequence_parallel: MoE with TP>1 needs sequence_parallel=true (Megatron-Core requirement)")
+    stages = p.pp * (p.vpp or 1)
+    if p.vpp is not None and p.pp == 1:
+        out.append("parallel.vpp: virtual pipeline stages need PP > 1")
+    if arch.num_layers % stages:
+        out.append(f"parallel.pp: {arch.num_layers} layers are not divisible by PP x VPP = {stages}")
+    return out

@@ -1,0 +1,53 @@
+"""Optimiser, SFT, checkpoint and logging sections (RECIPE section 2 for SFT)."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+from .base import Section
+
+
+class OptimConfig(Section):
+    lr: PositiveFloat = 1e-6
+    min_lr: NonNegativeFloat = 0.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    weight_decay: NonNegativeFloat = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: PositiveFloat = 1e-8
+    clip_grad: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 disables")
+
+
+class SFTConfig(Section):
+    """SFT warm-up: loss on assistant tokens only (RECIPE section 2)."""
+
+    steps: PositiveInt = 100
+    global_batch_size: PositiveInt = 8
+    micro_batch_size: PositiveInt = 1
+    seq_length: PositiveInt = 1024
+    packing: bool = True
+    datasets: dict[str, float] = Field(
+        default_factory=dict, description="JSONL path -> sampling weight of the SFT mix"
+    )
+
+
+class CheckpointConfig(Section):
+    dir: Optional[str] = Field(None, description="defaults to <run.output_dir>/checkpoints")
+    save_interval: PositiveInt = 50
+    keep_last: PositiveInt = 3
+    resume: bool = False
+    load: Optional[str] = Field(None, description="checkpoint to start from (weights only unless resume)")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = True
+    log_interval: PositiveInt = 1
+    progress_bars: bool = True
+
+
+class RunConfig(Section):
+    name: str = "run"
+    output_dir: str = "runs/default"
+    seed: NonNegativeInt = 1234

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install megatron-search into the current Python environment.
+#   bash scripts/install.sh          # library + CLI
+#   bash scripts/install.sh --dev    # plus test tools
+# On a CPU machine torch==2.13.0 (CPU build) is installed first so that nothing below pulls a
+# multi-GB CUDA build; on a GPU machine install the torch build you want before running this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+fi
+# qwen-agent ships the real Qwen2/3 BPE ranks (qwen_agent/utils/qwen.tiktoken); its own runtime
+# dependencies (openai, dashscope, ...) are not needed for that file, so it goes in without them.
+if [ -n "$extras" ]; then
+  "$PY" -m pip install --quiet --no-deps "qwen-agent>=0.0.30"
+fi
+"$PY" -m pip install --quiet -e ".${extras}"

@@ -1,0 +1,42 @@
+"""Install megatron-search: the library, `kernels/` as `megatron_search.kernels`, and the CLI."""
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["megatron_search", "megatron_search.*"])
+packages += ["megatron_search.kernels"] + [
+    "megatron_search.kernels." + p for p in find_packages(where="kernels")
+]
+
+setup(
+    name="megatron-search",
+    version="0.1.0",
+    description="Megatron-Core stack that post-trains Qwen MoE policies into web-search agents (SFT + GRPO).",
+    python_requires=">=3.11",
+    packages=packages,
+    package_dir={"megatron_search.kernels": "kernels"},
+    include_package_data=True,
+    package_data={"megatron_search": ["**/*.txt", "**/*.md", "**/*.json", "**/*.yaml"]},
+    install_requires=[
+        # Floors, not ceilings: megatron-core 0.16.1 is the newest for Python 3.11; newer must work.
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "transformers>=5.2",  # qwen3_5_moe arrived in 5.2.0
+        "safetensors>=0.4",
+        "pydantic>=2.6",
+        "PyYAML>=6.0",
+        "tqdm>=4.66",
+        "tensorboard>=2.15",
+        "numpy>=1.26",
+        "einops>=0.7",
+        "bm25s>=0.2",
+        "tiktoken>=0.7",
+        "tokenizers>=0.19",
+        "aiohttp>=3.9",
+        "matplotlib>=3.8",
+        "lingua-language-detector>=2.0",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.0"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "triton>=3.0", "qwen-agent>=0.0.30"],
+    },
+    entry_points={"console_scripts": ["megatron-search=megatron_search.cli:main"]},
+)
