@@ -75,10 +75,10 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
         out.append(f"parallel.ep: {arch.num_experts} experts are not divisible by EP={p.ep}")
     if arch.num_attention_heads % p.tp:
         out.append(f"parallel.tp: {arch.num_attention_heads} attention heads are not divisible by TP={p.tp}")
-    if arch.num_key_value_heads % p.tp:
-        out.append(
-            f"parallel.tp: {arch.num_key_value_heads} key/value heads (query groups) are not divisible by TP={p.tp}"
-        )
+    kv = arch.num_key_value_heads
+    if kv % p.tp and p.tp % kv:
+        # Megatron-Core replicates KV heads when TP is a multiple of the query groups.
+        out.append(f"parallel.tp: {kv} key/value heads (query groups) must be a multiple or divisor of TP={p.tp}")
     if arch.is_hybrid:
         if arch.linear_num_key_heads % p.tp:
             out.append(f"parallel.tp: {arch.linear_num_key_heads} GDN key heads are not divisible by TP={p.tp}")
