@@ -17,8 +17,10 @@ class SearchConfig(Section):
     max_results: PositiveInt = Field(10, description="results per call (RECIPE 6)")
     max_query_chars: PositiveInt = Field(250, description="longest query (RECIPE 6)")
     max_calls: NonNegativeInt = Field(5, description="tool calls per rollout (RECIPE 6)")
-    timeout_s: PositiveFloat = 10.0
-    retries: NonNegativeInt = 2
+    timeout_s: PositiveFloat = Field(10.0, description="per HTTP attempt, seconds (HTTP backends)")
+    retries: NonNegativeInt = Field(2, description="extra attempts after a timeout / 429 / 5xx (HTTP backends)")
+    retry_backoff_s: NonNegativeFloat = Field(0.5, description="first retry delay, doubled per retry")
+    snippet_chars: PositiveInt = Field(300, description="snippet length per local result (tool response size)")
 
 
 class SGLangConfig(Section):
