@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from .base import Section
+from .cluster import ClusterConfig
 from .data import DataConfig
 from .eval import EvalConfig
 from .hf import HFConfigError
@@ -33,6 +34,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

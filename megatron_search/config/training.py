@@ -18,6 +18,8 @@ class OptimConfig(Section):
     adam_beta2: float = 0.98
     adam_eps: PositiveFloat = 1e-8
     clip_grad: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 disables")
+    main_grads_fp32: bool = Field(True, description="accumulate and all-reduce gradients in fp32")
+    cpu_offload: bool = Field(False, description="keep optimizer state (fp32 master + Adam moments) on the host")
 
 
 class SFTConfig(Section):

@@ -1,0 +1,30 @@
+"""Print a plan as a table."""
+from __future__ import annotations
+
+from .memory import GIB, Plan
+
+
+def format_plan(plan: Plan, title: str) -> str:
+    g = lambda b: f"{b / GIB:8.1f}"  # noqa: E731
+    lines = [f"== {title}", f"training GPUs {plan.train_gpus}, data parallel {plan.dp}, rollout GPUs {plan.rollout_gpus}",
+             f"parameters {plan.counts.total / 1e9:.1f}B (language model; vision tower carried separately)"]
+    if plan.stages:
+        lines.append("stage  params/GPU  weights    grads  optimizer  activations    total  (GiB)")
+        for s in plan.stages:
+            lines.append(
+                f"{s.stage:5d} {s.params / 1e9:9.2f}B {g(s.weights)} {g(s.grads)} {g(s.optimizer)} "
+                f"{g(s.activations)}    {g(s.total)}"
+            )
+    if plan.rollout:
+        r = plan.rollout
+        lines.append(
+            f"rollout: {r.engines} SGLang engine(s) x {r.engine_gpus} GPUs; weights {r.weights / GIB:.1f} GiB/GPU, "
+            f"KV cache {max(r.kv_budget, 0) / GIB:.1f} GiB/GPU = {r.max_tokens:,} tokens"
+            + (f", GDN state {r.state_bytes_per_seq / 2**20:.1f} MiB/sequence" if r.state_bytes_per_seq else "")
+        )
+    if plan.fits:
+        lines.append("FITS")
+    else:
+        lines.append("DOES NOT FIT:")
+        lines += [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)

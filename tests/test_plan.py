@@ -1,0 +1,100 @@
+"""Planner: parameter counts against the HF models, memory against hand computations, and the
+layouts that must be refused (scale issue)."""
+import pytest
+import torch
+
+from megatron_search.config import ConfigError, load_config
+from megatron_search.plan import active_params, count_params, make_plan
+from megatron_search.plan.memory import GIB
+
+BIG = "configs/qwen3_5_397b_a17b_grpo.yaml"
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_qwen3_5_moe"])
+def test_param_count_equals_hf_model(name):
+    # Independent count: instantiate the HF model and sum its language-model parameters.
+    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration, Qwen3MoeForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(f"configs/models/{name}")
+    cls = Qwen3_5MoeForConditionalGeneration if "3_5" in name else Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(hf_cfg)
+    expected = sum(p.numel() for k, p in model.named_parameters() if "visual" not in k)
+    cfg = load_config(None, [f"model.hf_config=configs/models/{name}"])
+    assert count_params(cfg.model.architecture).total == expected
+
+
+def test_published_model_sizes():
+    # FACTS.md: 397B-A17B, 122B-A10B (122.1B from the config), 30B-A3B.
+    sizes = {}
+    for name in ("qwen3_5_397b_a17b", "qwen3_5_122b_a10b", "qwen3_30b_a3b"):
+        arch = load_config(None, [f"model.hf_config=configs/models/{name}"]).model.architecture
+        sizes[name] = (count_params(arch).total / 1e9, active_params(arch) / 1e9)
+    assert 395 < sizes["qwen3_5_397b_a17b"][0] < 398 and 17 < sizes["qwen3_5_397b_a17b"][1] < 18
+    assert round(sizes["qwen3_5_122b_a10b"][0], 1) == 122.1 and 9.5 < sizes["qwen3_5_122b_a10b"][1] < 10.5
+    assert 30 < sizes["qwen3_30b_a3b"][0] < 31 and 3 < sizes["qwen3_30b_a3b"][1] < 3.6
+
+
+def test_tiny_memory_by_hand():
+    # Tiny Qwen3-MoE (hand count in test_param_count: attention 12,320, router 256, norms 128,
+    # experts 4 x 3 x 64 x 64 = 49,152 per layer; embedding = output = 2048 x 64 = 131,072).
+    cfg = load_config(None, ["cluster.nodes=1", "cluster.gpus_per_node=4", "parallel.pp=2", "parallel.ep=2",
+                             "model.params_dtype=bfloat16", "rollout.sglang.tp=1"])
+    plan = make_plan(cfg, "sft")
+    assert plan.dp == 2
+    s0, s1 = plan.stages
+    dense0 = 2 * (12320 + 256) + 2 * 128 + 131072
+    experts = 2 * 49152 // 2
+    assert s0.params == dense0 + experts and s0.expert_params == experts
+    assert s0.weights == (dense0 + experts) * 2 and s0.grads == (dense0 + experts) * 4
+    # distributed optimizer: dense sharded over DP x CP = 2, experts over TP x CP x DP / (EP x ETP) = 1
+    assert s0.optimizer == 12 * (dense0 / 2 + experts / 1)
+    dense1 = 2 * (12320 + 256) + 2 * 128 + 131072 + 64
+    assert s1.params == dense1 + experts
+
+
+def test_recompute_full_keeps_fewer_activations():
+    none = make_plan(load_config(BIG, ["model.recompute=none"])).stages[0].activations
+    full = make_plan(load_config(BIG)).stages[0].activations
+    assert full < none / 5
+
+
+def test_397b_fits_on_32_nodes():
+    plan = make_plan(load_config(BIG))
+    assert plan.fits, plan.problems
+    assert plan.peak_stage.total < 135 * GIB
+    # FACTS.md: BF16 inference weights ~738 GiB; one engine of 8 GPUs holds them.
+    assert abs(plan.rollout.weights * 8 / GIB - 738) < 5
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallel.ep=24"], "512 experts are not divisible by EP=24"),
+        (["parallel.tp=32"], "16 GDN key heads are not divisible by TP=32"),
+        (["cluster.nodes=2"], "EP x ETP = 32 must divide"),
+        (["cluster.nodes=4", "parallel.ep=8"], "memory: training needs"),
+        (["rollout.sglang.tp=2", "rollout.sglang.ep=2"], "bf16 weights need"),
+    ],
+)
+def test_wrong_layouts_fail_with_a_reason(overrides, needle):
+    # Rules that need only the model are refused when the config loads; the ones that need the
+    # cluster (world size, memory) by the planner. Either way the reason names the problem.
+    try:
+        plan = make_plan(load_config(BIG, ["parallel.world_size=null", *overrides]))
+        problems = plan.problems
+        assert not plan.fits
+    except ConfigError as e:
+        problems = e.problems
+    assert any(needle in p for p in problems), problems
+
+
+def test_cli_exit_codes(capsys):
+    from megatron_search.cli import main
+
+    assert main(["plan", BIG, "--nodes", "32", "--gpus-per-node", "8", "--gpu-mem", "141"]) == 0
+    assert "FITS" in capsys.readouterr().out
+    assert main(["plan", BIG, "--nodes", "2"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", BIG, "parallel.ep=24"]) == 2
+    assert "512 experts are not divisible by EP=24" in capsys.readouterr().err
