@@ -27,6 +27,13 @@ class ModelConfig(Section):
     recompute: Literal["none", "selective", "full"] = "none"
     mtp: bool = Field(False, description="build the multi-token-prediction layers when the model has them")
     seed: int = 1234
+    # MoE build choices (RECIPE section 1 models; the write-up names no load-balancing loss).
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0.0, description="Megatron aux load-balancing loss coefficient; 0 = no aux loss (default)"
+    )
+    moe_token_dispatcher: Literal["auto", "allgather", "alltoall", "flex"] = Field(
+        "auto", description="auto: alltoall on GPU, allgather on CPU (alltoall needs CUDA streams)"
+    )
 
     def resolved_hf_config(self) -> Path:
         p = Path(self.hf_config)

@@ -1,0 +1,234 @@
+"""Make Megatron-Core (0.16.1 and newer) run forward + backward on CPU under gloo.
+
+Switched on only when `torch.cuda.is_available()` is False; on a GPU machine `enable_cpu_compat()`
+returns False and changes nothing. Calling it again is harmless (idempotent).
+
+Megatron-Core assumes CUDA in a handful of places (FACTS.md lists what a tiny MoE GPTModel hits).
+Rather than editing call sites one by one, each loaded `megatron.core.*` module gets its own
+`torch` name rebound to a thin copy of the torch module (`_CpuTorch`) whose only differences are:
+
+* `torch.cuda` is `_CudaOnCpu`: `current_device()` answers the CPU device (Megatron passes it
+  as `device=` when allocating activations, buffers and gathered tensors); `Stream`,
+  `current_stream`, `default_stream` and `stream(...)` are no-op stand-ins (overlap streams in
+  the shared-expert, DDP and dispatcher code only order work on a GPU; CPU ops are already
+  ordered); `synchronize` / `empty_cache` are no-ops (pipeline p2p calls synchronize after
+  batched isend/irecv, gloo's waits already block); the CUDA RNG calls (`get_rng_state`,
+  `set_rng_state`, `manual_seed`) act on the CPU generator, which is what the model-parallel
+  RNG tracker must drive on CPU.
+* Factory functions (`zeros`, `empty`, `tensor`, ...) map a hard-coded `device="cuda"` to CPU
+  (schedules' token counters, the grad scaler, clip_grads buffers, attention masks).
+
+Every other attribute is the real torch object, so tensors, autograd and torch.distributed are
+untouched. Two functions are replaced outright: the tracker's `_get/_set_cuda_rng_state` (they
+reach into `torch.cuda.default_generators`), and `moe_utils.te_general_gemm`, which is left
+undefined when Transformer Engine is missing although the router still tests it against None.
+
+Modules are rebound when `enable_cpu_compat()` runs; it imports the Megatron modules a training
+step uses first. Call it before building models (init_distributed does).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+_ENABLED = False
+_CPU = torch.device("cpu")
+
+# Megatron modules a GPTModel forward/backward, the schedules and the optimizer touch.
+_MODULES_TO_LOAD = (
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.clip_grads",
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # bare ints mean cuda:<i>
+
+
+def _cpu_factory(fn):
+    def wrapped(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    wrapped.__name__ = getattr(fn, "__name__", "factory")
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+class _NoStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already executed in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other):  # every stand-in is "the" stream, as on a single-stream device
+        return isinstance(other, _NoStream)
+
+    __hash__ = object.__hash__
+
+
+_THE_STREAM = _NoStream()
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _CudaRandomOnCpu(types.SimpleNamespace):
+    pass
+
+
+def _make_cuda_shim() -> types.ModuleType:
+    real = torch.cuda
+    shim = types.ModuleType("torch.cuda")
+
+    def __getattr__(name: str):  # everything not redirected stays the real torch.cuda object
+        return getattr(real, name)
+
+    shim.__getattr__ = __getattr__
+    shim.is_available = lambda: False
+    shim.current_device = lambda: _CPU
+    shim.device_count = lambda: 0
+    shim.Stream = _NoStream
+    shim.Event = _NoStream
+    shim.current_stream = lambda *a, **k: _THE_STREAM
+    shim.default_stream = lambda *a, **k: _THE_STREAM
+    shim.stream = lambda *a, **k: contextlib.nullcontext()
+    shim.synchronize = _noop
+    shim.empty_cache = _noop
+    shim.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    shim.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    shim.manual_seed = lambda seed: torch.manual_seed(seed)
+    shim.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    shim.random = _CudaRandomOnCpu(
+        get_rng_state=shim.get_rng_state, set_rng_state=shim.set_rng_state, manual_seed=shim.manual_seed
+    )
+    shim.memory_allocated = lambda *a, **k: 0
+    shim.max_memory_allocated = lambda *a, **k: 0
+    shim.memory_reserved = lambda *a, **k: 0
+    shim.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop, mark=_noop)
+    return shim
+
+
+def _make_torch_proxy() -> types.ModuleType:
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # lazily loaded torch submodules
+    proxy.cuda = _make_cuda_shim()
+    for name in _FACTORIES:
+        setattr(proxy, name, _cpu_factory(getattr(torch, name)))
+    proxy._megatron_search_cpu_proxy = True
+    return proxy
+
+
+def _get_rng_state_cpu(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state_cpu(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+class _DropCpuRngWarning(logging.Filter):
+    # On CPU the "CUDA" RNG *is* the CPU generator, so the tracker's check that forked code left the
+    # CPU RNG alone always fires; the fork still restores the state correctly.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _rebind(proxy: types.ModuleType) -> int:
+    count = 0
+    for name, mod in list(sys.modules.items()):
+        if (name == "megatron.core" or name.startswith("megatron.core.")) and mod is not None:
+            if getattr(mod, "torch", None) is torch:
+                mod.torch = proxy
+                count += 1
+    return count
+
+
+def enable_cpu_compat() -> bool:
+    """Redirect Megatron-Core's CUDA-only calls to CPU. Returns True when active (CPU only)."""
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False  # GPU machine: Megatron runs unmodified
+    if _ENABLED:
+        return True
+    for name in _MODULES_TO_LOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a newer Megatron may move a module; patch what exists
+            continue
+    proxy = _make_torch_proxy()
+    _rebind(proxy)
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    if random is not None:
+        for attr, fn in (("_get_cuda_rng_state", _get_rng_state_cpu), ("_set_cuda_rng_state", _set_rng_state_cpu)):
+            if hasattr(random, attr):
+                setattr(random, attr, fn)
+        logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _ENABLED = True
+    return True
+
+
+def rebind_new_modules() -> int:
+    """Rebind Megatron modules imported after enable_cpu_compat(); returns how many changed."""
+    if not _ENABLED:
+        return 0
+    proxy = next(
+        (m.torch for n, m in sys.modules.items() if n.startswith("megatron.core.")
+         and getattr(getattr(m, "torch", None), "_megatron_search_cpu_proxy", False)),
+        None,
+    )
+    return _rebind(proxy) if proxy is not None else 0
+
+
+def is_enabled() -> bool:
+    return _ENABLED

@@ -1,0 +1,141 @@
+"""Start torch.distributed + Megatron model parallel for a config; hand back the groups explicitly.
+
+`init_distributed(cfg)` reads the placement (torchrun or Slurm, see env.py), checks the real world
+size against the parallel layout (the same rules as config validation), initialises the process
+group (nccl on GPU, gloo on CPU, or cfg.parallel.backend), Megatron's TP/PP/VPP/CP/EP/ETP groups
+and RNG seeds, and switches on the CPU compatibility layer when there is no GPU. The returned
+`DistContext` carries the ranks and Megatron's ProcessGroupCollection; `teardown()` undoes it all.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .env import DistEnv, read_dist_env
+
+
+class LayoutError(RuntimeError):
+    """The launched world does not fit cfg.parallel."""
+
+
+@dataclass
+class DistContext:
+    """This rank's place in the job and its Megatron process groups (pass `groups` explicitly)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    groups: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    dp_size: int
+    env: DistEnv
+    _owns_process_group: bool = field(default=True, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def teardown(self) -> None:
+        """Destroy Megatron's groups and (if we created it) the default process group."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and read back what the OS chose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(choice: str) -> str:
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if choice == "nccl" and not torch.cuda.is_available():
+        raise LayoutError("parallel.backend: nccl needs a GPU; use gloo (or auto) on CPU")
+    return choice
+
+
+def _init_process_group(env: DistEnv, backend: str, timeout_s: float) -> bool:
+    """Returns True when this call created the default group (False: it existed already)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise LayoutError(f"process group has world size {dist.get_world_size()}, environment says {env.world_size}")
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1:
+        # A lone process needs no rendezvous: an in-memory store avoids binding a port.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    return True
+
+
+def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) -> DistContext:
+    """Initialise torch.distributed and Megatron model parallel for `cfg`; see module docstring."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_search.config.schema import layout_problems
+
+    from .cpu_compat import enable_cpu_compat
+
+    env = env or read_dist_env()
+    problems = layout_problems(cfg, env.world_size)
+    if problems:
+        raise LayoutError(f"world size {env.world_size} ({env.source}):\n  " + "\n  ".join(problems))
+    backend = resolve_backend(cfg.parallel.backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        enable_cpu_compat()
+        device = torch.device("cpu")
+    owns = _init_process_group(env, backend, timeout_s)
+    p = cfg.parallel
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=p.etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.model.seed)
+    return DistContext(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        backend=backend,
+        device=device,
+        groups=ProcessGroupCollection.use_mpu_process_groups(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        env=env,
+        _owns_process_group=owns,
+    )

@@ -1,0 +1,106 @@
+"""Build Megatron-Core models from a Hugging Face config.json (the provider API others import).
+
+    transformer_config_from_hf(cfg) -> TransformerConfig
+    build_model(cfg, pre_process=None, post_process=None, vp_stage=None) -> GPTModel for this rank
+    build_model_chunks(cfg) -> [GPTModel per virtual pipeline stage]
+
+Architectures register in ARCHITECTURES (model_type -> module). An architecture module provides
+`transformer_config_kwargs(cfg, hf, where, use_te)`, `gpt_model_kwargs(hf, where)` and
+`layer_spec(config, use_te, vp_stage, pp_rank)`, and optionally `config_class` (a TransformerConfig
+subclass) and `model_class` (a GPTModel subclass). Model parallel state must be initialised
+first (`megatron_search.distributed.init_distributed`).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from megatron_search.config.hf import load_hf_config
+
+from .provider_common import ProviderError
+from .specs import use_transformer_engine
+
+ARCHITECTURES: dict[str, str] = {
+    "qwen3_moe": "megatron_search.models.qwen3_moe",
+    "qwen3_5_moe": "megatron_search.models.qwen3_5",
+}
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """Language-model fields (multimodal configs nest them under text_config)."""
+    inner = hf.get("text_config")
+    return {**inner, "model_type": hf.get("model_type")} if isinstance(inner, dict) else hf
+
+
+def architecture_module(cfg):
+    """(module, raw HF config, where) for cfg.model.hf_config."""
+    path = cfg.model.resolved_hf_config()
+    raw = load_hf_config(path)
+    model_type = raw.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ProviderError(f"{path}: model_type {model_type!r} has no Megatron provider ({sorted(ARCHITECTURES)})")
+    return importlib.import_module(ARCHITECTURES[model_type]), raw, str(path)
+
+
+def transformer_config_from_hf(cfg):
+    """Megatron TransformerConfig for cfg.model (architecture from the HF config.json, layout from cfg.parallel)."""
+    from megatron.core.transformer import TransformerConfig
+
+    module, raw, where = architecture_module(cfg)
+    use_te = use_transformer_engine(cfg.model.transformer_impl)
+    kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
+    return getattr(module, "config_class", TransformerConfig)(**kwargs)
+
+
+def _stage_flags(vp_stage: int | None) -> tuple[bool, bool]:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def build_model(cfg, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None,
+                config=None):
+    """The GPTModel (chunk) this rank holds; pre/post process follow its pipeline stage when None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_search.distributed import cpu_compat
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("build_model: model parallel state is not initialised; call init_distributed(cfg) first")
+    module, raw, where = architecture_module(cfg)
+    hf = text_config(raw)
+    use_te = use_transformer_engine(cfg.model.transformer_impl)
+    config = config if config is not None else transformer_config_from_hf(cfg)
+    if cfg.parallel.vpp is not None and vp_stage is None:
+        raise ValueError("build_model: parallel.vpp is set, pass vp_stage (or use build_model_chunks)")
+    first, last = _stage_flags(vp_stage)
+    pre_process = first if pre_process is None else pre_process
+    post_process = last if post_process is None else post_process
+    spec = module.layer_spec(config, use_te, vp_stage, ps.get_pipeline_model_parallel_rank())
+    model_cls = getattr(module, "model_class", GPTModel)
+    cpu_compat.rebind_new_modules()  # architecture modules may import more of Megatron
+    model = model_cls(
+        config=config,
+        transformer_layer_spec=spec,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        **module.gpt_model_kwargs(hf, where),
+    )
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_model_chunks(cfg) -> list:
+    """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP)."""
+    config = transformer_config_from_hf(cfg)
+    if cfg.parallel.vpp is None:
+        return [build_model(cfg, config=config)]
+    return [build_model(cfg, vp_stage=v, config=config) for v in range(cfg.parallel.vpp)]
