@@ -1,0 +1,1 @@
+"""Megatron weights as HF tensors: loading, bucketed export, delivery into rollout engines."""
