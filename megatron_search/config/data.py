@@ -1,11 +1,51 @@
-"""Data section (RECIPE section 4)."""
+"""Data section (RECIPE sections 2 and 4): the embedded world, synthetic QA, the mix, SFT data,
+public converters, the LLM client and the rubric pipeline."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from .base import Section
+
+
+class WorldConfig(Section):
+    """The embedded synthetic world (data/world.py); demo-sized by default so it runs on a 2-core CPU."""
+
+    seed: int = 0
+    num_entities: PositiveInt = Field(300, description="invented entities (people, books, companies, ...)")
+    min_sources: PositiveInt = Field(2, description="distinct sites stating each fact (RECIPE 4.1: confirmed by several sources)")
+    single_source_fraction: float = Field(0.1, ge=0.0, le=1.0, description="facts stated only once (must not be trusted)")
+    rumor_fraction: float = Field(0.05, ge=0.0, le=1.0, description="wrong single-source claims, as a fraction of facts")
+    filler_docs: NonNegativeInt = Field(100, description="distractor documents that state no fact")
+
+
+class SynthConfig(Section):
+    """Synthetic QA by sequential expansion (RECIPE 4.1)."""
+
+    seed: int = 0
+    num_seed_queries: PositiveInt = Field(40, description="seed queries; each retrieves candidate entities")
+    search_k: PositiveInt = Field(10, description="results read per query (RECIPE 6: at most 10)")
+    snippet_chars: PositiveInt = Field(2000, description="snippet length the pipeline reads from the local index")
+    min_support: PositiveInt = Field(2, description="distinct sites that must state a claim for it to count")
+    min_hops: int = Field(2, ge=2, le=4, description="RECIPE 4.1: chains of 2 to 4 hops")
+    max_hops: int = Field(4, ge=2, le=4)
+    chains_per_entity: PositiveInt = Field(3, description="expansion attempts per confirmed seed entity (distinct chains)")
+    quorum: PositiveInt = Field(3, description="solvers that must agree on the unique answer")
+    solvers: list[str] = Field(default_factory=lambda: ["phrase-k10", "keywords-k8", "entity-k6"],
+                               description="verification solvers (data/synth/solver.py DEFAULT_SOLVERS names)")
+    world_truth_check: bool = Field(True, description="embedded world only: also require a unique answer under the ground truth")
+    augment_fraction: float = Field(0.3, ge=0.0, le=1.0, description="questions that also get a format-instruction copy")
+    format_prompts: str = Field("format_instructions_v1", description="versioned prompt file of format instructions")
+    validation_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SynthConfig":
+        if self.min_hops > self.max_hops:
+            raise ValueError(f"data.synth.min_hops={self.min_hops} exceeds max_hops={self.max_hops}")
+        if self.quorum > len(self.solvers):
+            raise ValueError(f"data.synth.quorum={self.quorum} exceeds the {len(self.solvers)} configured solvers")
+        return self
 
 
 class DataConfig(Section):
@@ -16,3 +56,5 @@ class DataConfig(Section):
         description="dataset-level sampling weights (RECIPE 4.3: 90% verifiable QA, 10% rubric chat)",
     )
     seed: int = 0
+    world: WorldConfig = Field(default_factory=WorldConfig)
+    synth: SynthConfig = Field(default_factory=SynthConfig)

@@ -1,0 +1,257 @@
+"""The embedded synthetic world: invented entities, typed facts and the documents that state them.
+
+Deterministic from a seed. Names are built from invented syllables, so no fact can come from
+pretraining: answers are only obtainable by searching the corpus. Each true fact is stated by
+several documents on different sites (so "confirmed by several sources" is a real, checkable
+property); a configurable fraction of facts is stated only once, and rumour posts assert wrong
+attribute values once each, so single-source claims must not be trusted. Filler documents mention
+entities without stating facts (distractors for retrieval).
+
+Output: a corpus (JSONL id, title, url, text — the search index's input) and world.json with the
+ground truth (entities, facts, which documents state each fact), used by tests and by the
+uniqueness check of question generation, never by the solvers.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .jsonl import atomic_write_json, read_jsonl, write_jsonl
+from .world_schema import ATTRIBUTES, ENTITY_TYPES, MONTHS, RELATIONS, TYPE_TEMPLATES
+
+_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st",
+           "t", "tr", "v", "vr", "z", "th", "sh"]
+_VOWELS = ["a", "e", "i", "o", "u", "ae", "ei", "ou", "y"]
+_CODAS = ["", "", "n", "r", "l", "s", "th", "x", "m", "nd", "rk", "v"]
+_BOOK_ADJ = ["Silent", "Hollow", "Amber", "Distant", "Crooked", "Winter", "Gilded", "Quiet", "Broken",
+             "Sunken", "Final", "Restless", "Pale", "Burning", "Ninth"]
+_COMPANY_SUFFIX = ["Systems", "Labs", "Dynamics", "Works", "Analytics", "Robotics", "Foods", "Press",
+                   "Networks", "Holdings"]
+_FESTIVAL_KIND = ["Lantern", "Harvest", "Film", "Jazz", "Kite", "Poetry", "Light", "Folk"]
+_SITES = ["wikiverse.example", "almanac.example", "dailyledger.example", "atlasnotes.example"]
+_RUMOR_SITE = "forum.example"
+_RUMOR_PREFIX = ["Someone on this board claimed that", "I read somewhere that", "Unconfirmed:"]
+_FILLER = [
+    "Visitors often mention {n} when they write about their travels.",
+    "A reader asked whether {n} deserves more attention.",
+    "{n} came up in a long discussion thread last week.",
+    "Opinions about {n} differ widely among enthusiasts.",
+]
+
+# Share of each type in the world (relative weights).
+_TYPE_WEIGHTS = {"person": 0.28, "book": 0.18, "company": 0.16, "accelerator": 0.06,
+                 "university": 0.08, "city": 0.14, "festival": 0.10}
+
+
+@dataclass
+class Entity:
+    id: str
+    type: str
+    name: str
+
+
+@dataclass
+class Fact:
+    id: str
+    subject: str  # entity id
+    relation: str  # relation or attribute name
+    object: str  # entity id (relation) or literal value (attribute)
+    literal: bool
+
+
+@dataclass
+class Document:
+    id: str
+    title: str
+    url: str
+    text: str
+
+
+@dataclass
+class World:
+    seed: int
+    entities: dict[str, Entity]
+    facts: list[Fact]
+    documents: list[Document]
+    support: dict[str, list[str]] = field(default_factory=dict)  # fact id -> doc ids stating it
+    rumors: list[dict] = field(default_factory=list)  # wrong single-source claims (ground truth)
+
+    def name(self, eid: str) -> str:
+        return self.entities[eid].name
+
+    def facts_of(self, eid: str) -> list[Fact]:
+        return [f for f in self.facts if f.subject == eid or (not f.literal and f.object == eid)]
+
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        write_jsonl(out / "corpus.jsonl", (asdict(d) for d in self.documents))
+        atomic_write_json(out / "world.json", {
+            "seed": self.seed,
+            "entities": [asdict(e) for e in self.entities.values()],
+            "facts": [asdict(f) for f in self.facts],
+            "support": self.support,
+            "rumors": self.rumors,
+        })
+
+    @classmethod
+    def load(cls, out_dir: str | Path) -> "World":
+        import json
+
+        out = Path(out_dir)
+        meta = json.loads((out / "world.json").read_text(encoding="utf-8"))
+        docs = [Document(**d) for d in read_jsonl(out / "corpus.jsonl")]
+        ents = {e["id"]: Entity(**e) for e in meta["entities"]}
+        return cls(meta["seed"], ents, [Fact(**f) for f in meta["facts"]], docs, meta["support"], meta["rumors"])
+
+
+class _Names:
+    """Invented, globally unique names; no name is contained in another (so substring checks on
+    questions and claims are meaningful)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.words: set[str] = set()
+        self.names: list[str] = []
+
+    def word(self, syllables: tuple[int, int] = (2, 3)) -> str:
+        for _ in range(1000):
+            n = self.rng.randint(*syllables)
+            w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
+            w = (w + self.rng.choice(_CODAS)).capitalize()
+            if w not in self.words and len(w) >= 5:
+                self.words.add(w)
+                return w
+        raise RuntimeError("name space exhausted; lower the world size")
+
+    def make(self, etype: str) -> str:
+        for _ in range(1000):
+            r = self.rng
+            name = {
+                "person": lambda: f"{self.word((1, 2))} {self.word()}",
+                "book": lambda: f"The {r.choice(_BOOK_ADJ)} {self.word()}",
+                "company": lambda: f"{self.word()} {r.choice(_COMPANY_SUFFIX)}",
+                "accelerator": lambda: f"{self.word()} Launchpad",
+                "university": lambda: f"{self.word()} University",
+                "city": lambda: self.word(),
+                "festival": lambda: f"{self.word()} {r.choice(_FESTIVAL_KIND)} Festival",
+            }[etype]()
+            low = name.lower()
+            if all(low not in o.lower() and o.lower() not in low for o in self.names):
+                self.names.append(name)
+                return name
+        raise RuntimeError("could not find a fresh name")
+
+
+def _value(attr, rng: random.Random) -> str:
+    year = rng.randint(attr.lo, attr.hi)
+    return f"{rng.choice(MONTHS)} {year}" if attr.kind == "month_year" else str(year)
+
+
+def _render(fact: Fact, world_names: dict[str, str], rng: random.Random) -> str:
+    if fact.literal:
+        attr = next(a for a in ATTRIBUTES if a.name == fact.relation)
+        return rng.choice(attr.templates).format(s=world_names[fact.subject], v=fact.object)
+    rel = next(r for r in RELATIONS if r.name == fact.relation)
+    return rng.choice(rel.templates).format(s=world_names[fact.subject], o=world_names[fact.object])
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
+                single_source_fraction: float = 0.1, rumor_fraction: float = 0.05,
+                filler_docs: int = 100, progress: bool = False) -> World:
+    """Generate the world. Every fact is stated by >= min_sources documents on distinct sites except
+    a `single_source_fraction` of them (stated once); `rumor_fraction` x #facts rumour posts each
+    assert one wrong attribute value once."""
+    if min_sources < 2 or min_sources > len(_SITES):
+        raise ValueError(f"min_sources must be in [2, {len(_SITES)}], got {min_sources}")
+    if num_entities < 30:
+        raise ValueError(f"num_entities must be >= 30 for every type to be populated, got {num_entities}")
+    rng = random.Random(seed)
+    names = _Names(rng)
+    entities: dict[str, Entity] = {}
+    by_type: dict[str, list[str]] = defaultdict(list)
+    for etype, w in _TYPE_WEIGHTS.items():
+        for _ in range(max(3, round(w * num_entities))):
+            eid = f"e{len(entities):05d}"
+            entities[eid] = Entity(eid, etype, names.make(etype))
+            by_type[etype].append(eid)
+
+    facts: list[Fact] = []
+
+    def add(s: str, rel: str, o: str, literal: bool) -> None:
+        facts.append(Fact(f"f{len(facts):06d}", s, rel, o, literal))
+
+    # Relations: each subject gets one object (founded_by: 1-2 founders; went_through: 70% of companies).
+    for rel in RELATIONS:
+        for s in by_type[rel.subj]:
+            if rel.name == "went_through" and rng.random() > 0.7:
+                continue
+            k = rng.choice([1, 1, 2]) if rel.name == "founded_by" else 1
+            for o in rng.sample(by_type[rel.obj], k):
+                add(s, rel.name, o, False)
+    for attr in ATTRIBUTES:
+        for s in by_type[attr.subj]:
+            add(s, attr.name, _value(attr, rng), True)
+
+    names_by_id = {e.id: e.name for e in entities.values()}
+    # Which sites state each fact: >= min_sources distinct sites, or exactly one for weak facts.
+    fact_sites: dict[str, list[str]] = {}
+    for f in facts:
+        n = 1 if rng.random() < single_source_fraction else rng.randint(min_sources, len(_SITES) - 1)
+        fact_sites[f.id] = rng.sample(_SITES, n)
+
+    # One profile page per (entity, site) stating the entity's facts that this site carries.
+    pages: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for f in facts:
+        for site in fact_sites[f.id]:
+            # A relation fact lives on the subject's or the object's page, chosen at random.
+            host = f.subject if f.literal or rng.random() < 0.6 else f.object
+            pages[(host, site)].append(f.id)
+    documents: list[Document] = []
+    support: dict[str, list[str]] = defaultdict(list)
+    fact_by_id = {f.id: f for f in facts}
+    for (host, site), fids in tqdm(sorted(pages.items()), desc="world docs", disable=not progress):
+        ent = entities[host]
+        noun, article = ENTITY_TYPES[ent.type]
+        sentences = [rng.choice(TYPE_TEMPLATES).format(s=ent.name, article=article, noun=noun)]
+        rng.shuffle(fids)
+        for fid in fids:
+            sentences.append(_render(fact_by_id[fid], names_by_id, rng))
+        did = f"d{len(documents):06d}"
+        documents.append(Document(did, f"{ent.name} - {site.split('.')[0]}", f"https://{site}/{_slug(ent.name)}",
+                                  " ".join(sentences)))
+        for fid in fids:
+            support[fid].append(did)
+
+    # Rumours: a wrong attribute value, stated once on a forum.
+    rumors = []
+    literal_facts = [f for f in facts if f.literal]
+    for f in rng.sample(literal_facts, int(rumor_fraction * len(facts))):
+        attr = next(a for a in ATTRIBUTES if a.name == f.relation)
+        wrong = _value(attr, rng)
+        if wrong == f.object:
+            continue
+        did = f"d{len(documents):06d}"
+        claim = rng.choice(attr.templates).format(s=names_by_id[f.subject], v=wrong)
+        documents.append(Document(did, f"Thread about {names_by_id[f.subject]}",
+                                  f"https://{_RUMOR_SITE}/t/{len(rumors)}",
+                                  f"{rng.choice(_RUMOR_PREFIX)} the following is true. {claim} Can anyone confirm?"))
+        rumors.append({"doc": did, "subject": f.subject, "relation": f.relation, "wrong": wrong, "true": f.object})
+
+    # Filler: mentions without facts.
+    all_ids = list(entities)
+    for i in range(filler_docs):
+        picked = rng.sample(all_ids, 2)
+        text = " ".join(rng.choice(_FILLER).format(n=entities[e].name) for e in picked)
+        did = f"d{len(documents):06d}"
+        documents.append(Document(did, f"Notes {i}", f"https://{_RUMOR_SITE}/notes/{i}", text))
+
+    return World(seed, entities, facts, documents, dict(support), rumors)
