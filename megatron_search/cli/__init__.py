@@ -10,6 +10,7 @@ import sys
 COMMANDS = [
     "config_cmd",
     "plan_cmd",
+    "launch_cmd",
 ]
 
 

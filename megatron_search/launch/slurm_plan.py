@@ -1,0 +1,172 @@
+"""Launch plan for a Slurm allocation.
+
+The sbatch scripts stay small: they ask this module for the plan (`megatron-search launch-plan`),
+which prints shell assignments, and then run the commands. Everything that needs judgement (which
+nodes train, which serve SGLang, how many engines, the exact argv) is here, where it is tested.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from megatron_search.config.schema import Config
+from megatron_search.distributed.env import expand_hostlist
+
+
+class LaunchError(ValueError):
+    """The allocation cannot run this config."""
+
+
+@dataclass
+class Engine:
+    """One SGLang server process: its node, port and argv. A multi-node engine is one process per
+    node; only node rank 0 (`serves`) answers HTTP."""
+
+    node: str
+    port: int
+    argv: list[str]
+    serves: bool = True
+
+
+@dataclass
+class LaunchPlan:
+    stage: str
+    train_nodes: list[str]
+    rollout_nodes: list[str]
+    tasks_per_node: int
+    master_node: str
+    engines: list[Engine] = field(default_factory=list)
+    train_argv: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.train_nodes) * self.tasks_per_node
+
+    def engine_urls(self, addr_of=lambda node: node) -> list[str]:
+        return [f"http://{addr_of(e.node)}:{e.port}" for e in self.engines if e.serves]
+
+
+def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str) -> list[str]:
+    """argv of `python -m sglang.launch_server` for one engine (token-in/token-out, memory saver when
+    colocated, routed experts returned when routing replay is on)."""
+    sg = cfg.rollout.sglang
+    argv = [
+        "python", "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--tp-size", str(sg.tp),
+        "--ep-size", str(sg.ep),
+        "--dp-size", str(sg.dp),
+        "--host", "0.0.0.0",  # other nodes must reach it; the cluster network is private
+        "--port", str(port),
+        "--mem-fraction-static", str(sg.mem_fraction_static),
+        "--skip-tokenizer-init",
+        "--trust-remote-code",
+    ]
+    if nnodes > 1:
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
+    if cfg.rollout.mode == "colocated":
+        argv.append("--enable-memory-saver")
+    if cfg.model.checkpoint is None:
+        # No HF weights to read: the engine starts with dummy weights and receives the policy's
+        # weights from Megatron before the first rollout (weight sync at step 0).
+        argv += ["--load-format", "dummy"]
+    if cfg.grpo.routing_replay:
+        argv.append("--enable-return-routed-experts")
+    return argv + list(sg.extra_args)
+
+
+def make_launch_plan(
+    cfg: Config,
+    stage: str,
+    nodelist: str,
+    config_path: str,
+    overrides: list[str],
+    tasks_per_node: int | None = None,
+) -> LaunchPlan:
+    """Split the allocation and build every command. Raises LaunchError with the reason."""
+    nodes = expand_hostlist(nodelist)
+    c = cfg.cluster
+    tasks = tasks_per_node or c.gpus_per_node
+    rollout_nodes: list[str] = []
+    if stage == "grpo" and cfg.rollout.engine == "sglang" and cfg.rollout.mode == "disaggregated":
+        if not 0 < c.rollout_nodes < len(nodes):
+            raise LaunchError(
+                f"cluster.rollout_nodes={c.rollout_nodes}: disaggregated mode needs 1..{len(nodes) - 1} of the "
+                f"{len(nodes)} allocated nodes for SGLang"
+            )
+        rollout_nodes = nodes[len(nodes) - c.rollout_nodes:]
+        train_nodes = nodes[: len(nodes) - c.rollout_nodes]
+    else:
+        train_nodes = nodes
+    plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0])
+    if stage == "grpo" and cfg.rollout.engine == "sglang":
+        serve_nodes = rollout_nodes or nodes
+        gpus_per_engine = cfg.rollout.sglang.tp * cfg.rollout.sglang.dp
+        per_node = c.gpus_per_node
+        if gpus_per_engine % per_node and per_node % gpus_per_engine:
+            raise LaunchError(
+                f"rollout.sglang: an engine of {gpus_per_engine} GPUs must fill whole nodes of {per_node} GPUs "
+                f"or divide one"
+            )
+        model = cfg.model.checkpoint or cfg.model.hf_config
+        port = cfg.rollout.sglang.base_port
+        if gpus_per_engine >= per_node:
+            span = gpus_per_engine // per_node
+            if len(serve_nodes) % span:
+                raise LaunchError(f"rollout: {len(serve_nodes)} nodes do not split into engines of {span} nodes")
+            for i in range(0, len(serve_nodes), span):
+                group = serve_nodes[i : i + span]
+                for rank, node in enumerate(group):
+                    argv = sglang_argv(cfg, model, port, span, rank, f"{group[0]}:{port + 1000}")
+                    plan.engines.append(Engine(node, port, argv, serves=rank == 0))
+        else:
+            for node in serve_nodes:
+                for j in range(per_node // gpus_per_engine):
+                    argv = sglang_argv(cfg, model, port + j, 1, 0, "")
+                    plan.engines.append(Engine(node, port + j, argv))
+    extra = []
+    if plan.engines:
+        extra.append("rollout.engine_urls=[" + ",".join(plan.engine_urls()) + "]")
+    plan.train_argv = ["megatron-search", stage, config_path, *overrides, *extra]
+    return plan
+
+
+def to_shell(plan: LaunchPlan, addr_of=lambda n: n) -> str:
+    """Shell assignments for slurm/lib.sh (values quoted; arrays for lists)."""
+    q = shlex.quote
+    arr = lambda xs: "(" + " ".join(q(x) for x in xs) + ")"  # noqa: E731
+    lines = [
+        f"MS_STAGE={q(plan.stage)}",
+        f"MS_TRAIN_NODES={arr(plan.train_nodes)}",
+        f"MS_ROLLOUT_NODES={arr(plan.rollout_nodes)}",
+        f"MS_TASKS_PER_NODE={plan.tasks_per_node}",
+        f"MS_WORLD_SIZE={plan.world_size}",
+        f"MS_MASTER_NODE={q(plan.master_node)}",
+        f"MS_TRAIN_ARGV={arr(plan.train_argv)}",
+        f"MS_ENGINE_COUNT={len(plan.engines)}",
+    ]
+    for i, e in enumerate(plan.engines):
+        lines.append(f"MS_ENGINE_NODE_{i}={q(e.node)}")
+        lines.append(f"MS_ENGINE_PORT_{i}={e.port}")
+        lines.append(f"MS_ENGINE_ARGV_{i}={arr(e.argv)}")
+    lines.append(f"MS_ENGINE_URLS={q(','.join(plan.engine_urls(addr_of)))}")
+    return "\n".join(lines)
+
+
+def describe(plan: LaunchPlan) -> str:
+    """Human-readable plan for --dry-run."""
+    q = shlex.join
+    lines = [
+        f"stage: {plan.stage}",
+        f"training: {len(plan.train_nodes)} node(s) x {plan.tasks_per_node} ranks = world {plan.world_size}; "
+        f"master {plan.master_node}; nodes {plan.train_nodes[0]}..{plan.train_nodes[-1]}",
+    ]
+    if plan.rollout_nodes:
+        lines.append(f"rollout nodes: {len(plan.rollout_nodes)} ({plan.rollout_nodes[0]}..{plan.rollout_nodes[-1]})")
+    lines.append(f"SGLang engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes)")
+    for e in plan.engines:
+        lines.append(f"  [{e.node}] {q(e.argv)}")
+    lines.append(
+        f"train: srun --nodes={len(plan.train_nodes)} --ntasks-per-node={plan.tasks_per_node} {q(plan.train_argv)}"
+    )
+    return "\n".join(lines)

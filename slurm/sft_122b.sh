@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=ms-sft_122b
+#SBATCH --nodes=8
+#SBATCH --gpus-per-node=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --output=runs/slurm-%x-%j.out
+# SFT warm-up for Qwen3.5-122B-A10B: 8 nodes x 8 GPUs.
+# Usage: sbatch slurm/sft_122b.sh [key.sub=value ...]     (bash slurm/sft_122b.sh --dry-run prints the plan)
+MS_STAGE=sft
+MS_CONFIG=${MS_CONFIG:-configs/qwen3_5_122b_a10b_sft.yaml}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+ms_main "$@"
