@@ -13,11 +13,19 @@ class RewardConfig(Section):
     answer_match: Literal["exact", "substring"] = Field(
         "substring", description="QA r_base: normalised exact match, or gold answer contained in the prediction"
     )
-    lambda_tool: NonNegativeFloat = Field(0.1, description="weight of the anchored tool penalty")
-    lambda_len: NonNegativeFloat = Field(0.1, description="weight of the anchored length penalty")
-    alpha_win: NonNegativeFloat = Field(1.0, description="tool penalty scale for winners")
-    alpha_lose: NonNegativeFloat = Field(1.0, description="tool penalty scale for losers")
-    beta_lose: NonNegativeFloat = Field(0.0, description="constant tool penalty offset for losers")
-    preference_threshold: float = Field(0.5, ge=0.0, le=1.0, description="s >= this marks a preferred winner")
-    scorer: Literal["pointwise", "pairwise"] = "pointwise"
-    seed: int = Field(0, description="seed of the generator that samples the tool baseline b_g")
+    # RECIPE 5.2: pen_eff = lambda_tool * pen_tool + lambda_len * pen_len. Ours: 0.1 each, so the
+    # largest penalty (0.1 + 0.1) stays below the preference credit a correct answer can earn.
+    lambda_tool: NonNegativeFloat = Field(0.1, description="weight of the anchored tool penalty (RECIPE 5.2; ours)")
+    lambda_len: NonNegativeFloat = Field(0.1, description="weight of the anchored length penalty (RECIPE 5.2; ours)")
+    alpha_win: NonNegativeFloat = Field(1.0, description="tool penalty scale for winners (RECIPE 5.2; ours)")
+    alpha_lose: NonNegativeFloat = Field(1.0, description="tool penalty scale for losers (RECIPE 5.2; ours)")
+    beta_lose: NonNegativeFloat = Field(
+        0.0, description="constant tool penalty offset for losers (RECIPE 5.2; ours: off, losers already earn 0)"
+    )
+    preference_threshold: float = Field(
+        0.5, ge=0.0, le=1.0, description="s >= this marks a preferred winner (RECIPE 5.2: 0.5)"
+    )
+    scorer: Literal["pointwise", "pairwise"] = Field(
+        "pointwise", description="RECIPE 5.1: scalar score per answer, or Delta with both answers in context"
+    )
+    seed: int = Field(0, description="seed of the generator that samples the tool baseline b_g (RECIPE 5.2)")

@@ -16,9 +16,12 @@ class GRPOConfig(Section):
     updates_per_batch: PositiveInt = Field(
         1, description="optimizer steps per rollout batch; >1 makes pi_old enter through PPO clipping"
     )
-    # Advantages: A_i = (R_i - mean_g R) / (std_g R + eps), or no std division.
-    advantage_std_normalize: bool = True
-    advantage_eps: PositiveFloat = 1e-6
+    # Advantages (RECIPE 3): A_i = (R_i - mean_g R) / (std_g R + eps), or no std division.
+    advantage_std_normalize: bool = Field(True, description="divide by the group std (RECIPE 3); False = mean-centering only")
+    advantage_eps: PositiveFloat = Field(1e-6, description="eps added to the group std (our default)")
+    advantage_std_unbiased: bool = Field(
+        True, description="sample std (ddof=1, as torch.std and common GRPO code); False = population std"
+    )
     # Importance sampling against the inference engine.
     is_level: Literal["token", "sequence"] = Field("token", description="token IS (recipe) or GSPO-style sequence IS")
     is_cap: Optional[PositiveFloat] = Field(None, description="truncated IS: cap C on the IS weight; None = off")

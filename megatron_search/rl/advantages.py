@@ -1,0 +1,47 @@
+"""Group-relative advantages (GRPO, RECIPE section 3).
+
+    A_i = (R_i - mean_g R) / (std_g R + eps)      or, without std division,   A_i = R_i - mean_g R
+
+over the rollouts of each group g; every token of rollout i shares A_i. Vectorised over a flat
+batch with contiguous group ids (see rewards.groups), ragged groups allowed.
+
+std_g is the sample standard deviation (ddof=1, what torch.std and most GRPO code use) unless
+`unbiased=False` (population std). A group whose rewards are all equal (including a group of
+one rollout) carries no signal: its advantages are exactly 0, also when float rounding of the
+mean would leave a residue of ~1e-17 that a tiny eps would blow up.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..rewards.groups import check_finite, check_flat, check_group_ids, group_max, group_sum
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    std_normalize: bool = True,
+    eps: float = 1e-6,
+    unbiased: bool = True,
+) -> Tensor:
+    """Advantages [N] of rewards [N] relative to their group (see module docstring)."""
+    check_flat("rewards", rewards)
+    if not rewards.dtype.is_floating_point:
+        raise ValueError(f"rewards: expected a floating tensor, got {rewards.dtype}")
+    check_finite("rewards", rewards)
+    k = check_group_ids(group_ids, rewards.numel())
+    if eps < 0:
+        raise ValueError(f"eps: must be >= 0, got {eps}")
+    count = group_sum(torch.ones_like(rewards), group_ids, k)
+    mean = group_sum(rewards, group_ids, k) / count
+    centered = rewards - mean[group_ids]
+    spread = group_max(rewards, group_ids, k) + group_max(-rewards, group_ids, k)  # max - min
+    constant = (spread == 0)[group_ids]
+    centered = torch.where(constant, torch.zeros_like(centered), centered)
+    if not std_normalize:
+        return centered
+    dof = (count - 1).clamp(min=1) if unbiased else count
+    std = (group_sum(centered * centered, group_ids, k) / dof).sqrt()
+    return torch.where(constant, centered, centered / (std[group_ids] + eps))

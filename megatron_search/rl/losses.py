@@ -1,0 +1,218 @@
+"""GRPO policy losses with importance sampling against the inference engine (RECIPE section 3).
+
+Legend: B rollouts (sequences) x T tokens. `mask` [B, T] marks the tokens the policy generated;
+prompt, tool-response and padding tokens have mask 0 and never count (their logprobs may hold
+anything, even NaN: they are never read). sg(.) is stop-gradient.
+
+    logp_train [B, T]  log pi_theta of each token, recomputed by the training engine (with grad)
+    logp_infer [B, T]  log mu_infer, reported by the inference engine when it sampled the token
+    logp_old   [B, T]  optional log pi_old: the training engine's logprobs under the weights that
+                       generated the batch, computed once before the first of several optimizer
+                       steps on one batch (grpo.updates_per_batch > 1)
+    advantages [B]     A_i, shared by every token of rollout i
+
+Token-level form (`token_is`, the recipe's default), per masked token t of rollout i:
+
+    w_t   = sg( pi_old / mu_infer ),  truncated to min(w_t, C) when a cap C is set  (IS weight)
+    rho_t = pi_theta / sg(pi_old)                                                   (PPO ratio)
+    o_t   = w_t * min( rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i )
+
+Without logp_old, pi_old := sg(pi_theta): rho_t = 1 in value, no clipping applies, and
+o_t = w_t * exp(logp_train - sg(logp_train)) * A_i. Its value is min(r_t, C) * A_i and its
+gradient min(r_t, C) * A_i * grad log pi_theta, with r_t = pi_theta / mu_infer; with no cap this
+is exactly the recipe's r_t(theta) * A_i with the gradient flowing through pi_train only.
+
+Sequence-level form (`sequence_is`, GSPO-style): the same expression with every ratio replaced
+by its geometric mean over the rollout's masked tokens,
+
+    w_i = sg( exp(mean_t log(pi_old / mu)) ) (truncated at C),   rho_i = exp(mean_t log(pi_theta / sg(pi_old)))
+    o_i = w_i * min(rho_i * A_i, clip(rho_i, 1 - eps_low, 1 + eps_high) * A_i),
+
+broadcast to every masked token of rollout i.
+
+The loss is -aggregate(o):
+    seq_mean_token_mean:  1/N_seq * sum_i 1/|o_i| * sum_t o_t   (the recipe's objective)
+    token_mean:           1/N_tok * sum_{i,t} o_t
+N_seq counts the rollouts with at least one masked token and N_tok the masked tokens, unless a
+`denominator` is passed (for gradient accumulation over micro-batches: pass the global count).
+
+Metrics (detached 0-d tensors): over masked tokens (token level) or rollouts (sequence level),
+is_weight_mean/min/max of the untruncated IS weight w, is_truncated_frac (w > C),
+clip_frac (the clipped branch is strictly smaller, so the token gets no gradient); and always
+over masked tokens, the train-inference mismatch with d_t = log pi_ref - log mu_infer
+(pi_ref = pi_old when given, else pi_theta; samples come from mu):
+    mismatch_kl_k1 = mean_t(-d_t),   mismatch_kl_k3 = mean_t(exp(d_t) - 1 - d_t),
+both estimators of KL(mu_infer || pi_ref) (k3 is non-negative per token). Also num_tokens,
+num_sequences.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from .registry import register_policy_loss
+
+Aggregation = Literal["seq_mean_token_mean", "token_mean"]
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+
+
+def _bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} does not match logp_train {tuple(shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not ((mask == 0) | (mask == 1)).all():
+        raise ValueError("mask: values must be 0 or 1 (or a bool tensor)")
+    return mask != 0
+
+
+def _check_logp(name: str, x: Tensor, shape: torch.Size, mask: Tensor) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.shape != shape:
+        raise ValueError(f"{name}: shape {tuple(x.shape)} does not match logp_train {tuple(shape)}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating tensor, got {x.dtype}")
+    bad = (mask & ~torch.isfinite(x)).nonzero()
+    if bad.numel():
+        raise ValueError(f"{name}: NaN/inf at {bad.shape[0]} loss token(s), first at (row, col) {tuple(bad[0].tolist())}")
+    return x
+
+
+def _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation):
+    if not isinstance(logp_train, Tensor) or logp_train.dim() != 2:
+        raise ValueError(f"logp_train: expected a [B, T] tensor, got {getattr(logp_train, 'shape', type(logp_train))}")
+    shape = logp_train.shape
+    m = _bool_mask(mask, shape)
+    _check_logp("logp_train", logp_train, shape, m)
+    _check_logp("logp_infer", logp_infer, shape, m)
+    if logp_old is not None:
+        _check_logp("logp_old", logp_old, shape, m)
+    if not isinstance(advantages, Tensor) or advantages.shape != shape[:1]:
+        raise ValueError(
+            f"advantages: expected shape ({shape[0]},) (one per rollout), got {tuple(getattr(advantages, 'shape', ()))}"
+        )
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages: NaN/inf values")
+    if is_cap is not None and not is_cap > 0:
+        raise ValueError(f"is_cap: must be > 0 or None, got {is_cap}")
+    if clip_eps_low < 0 or clip_eps_high < 0 or clip_eps_low >= 1:
+        raise ValueError(f"clip range: need 0 <= eps_low < 1 and eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation: {aggregation!r} is not one of {AGGREGATIONS}")
+    if not m.any():
+        raise ValueError("mask: selects no tokens, the loss is undefined (drop empty micro-batches)")
+    return m
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Optional[float] = None) -> Tensor:
+    """Reduce per-token objective values [B, T] (0 off the mask) to a scalar (see module docstring)."""
+    if aggregation == "token_mean":
+        n = mask.sum() if denominator is None else denominator
+        return per_token.sum() / n
+    n_tok = mask.sum(-1)
+    per_seq = per_token.sum(-1) / n_tok.clamp(min=1)
+    n = (n_tok > 0).sum() if denominator is None else denominator
+    return per_seq.sum() / n
+
+
+def _surrogate(w: Tensor, log_rho: Optional[Tensor], rho_plain: Tensor, adv: Tensor, eps_low: float, eps_high: float):
+    """w * min(rho A, clip(rho) A); without pi_old (log_rho None) w * rho_plain * A, never clipped."""
+    if log_rho is None:
+        return w * rho_plain * adv, torch.zeros_like(w, dtype=torch.bool)
+    rho = torch.exp(log_rho)
+    unclipped = rho * adv
+    clipped = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high) * adv
+    return w * torch.minimum(unclipped, clipped), clipped.detach() < unclipped.detach()
+
+
+def _stats(prefix: str, x: Tensor) -> dict[str, Tensor]:
+    return {f"{prefix}_mean": x.mean(), f"{prefix}_min": x.min(), f"{prefix}_max": x.max()}
+
+
+def _mismatch(logp_ref: Tensor, logp_infer: Tensor, m: Tensor) -> dict[str, Tensor]:
+    d = (logp_ref.detach() - logp_infer.detach())[m]
+    return {"mismatch_kl_k1": (-d).mean(), "mismatch_kl_k3": (torch.exp(d) - 1.0 - d).mean()}
+
+
+@register_policy_loss("token_is")
+def token_is_loss(
+    logp_train: Tensor,
+    logp_infer: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    logp_old: Optional[Tensor] = None,
+    is_cap: Optional[float] = None,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    aggregation: Aggregation = "seq_mean_token_mean",
+    denominator: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Token-level IS policy loss (module docstring); returns (loss, metrics)."""
+    m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
+    # where() before any arithmetic: off-mask garbage (NaN, -inf) never reaches values or gradients.
+    lp = torch.where(m, logp_train, zero)
+    lp_infer = torch.where(m, logp_infer.detach(), zero)
+    lp_ref = lp.detach() if logp_old is None else torch.where(m, logp_old.detach(), zero)
+    w = torch.exp(lp_ref - lp_infer)
+    w_used = w if is_cap is None else torch.clamp(w, max=is_cap)
+    log_rho = None if logp_old is None else lp - lp_ref
+    rho_plain = torch.exp(lp - lp.detach())
+    obj, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach()[:, None], clip_eps_low, clip_eps_high)
+    obj = torch.where(m, obj, zero)
+    loss = -aggregate(obj, m, aggregation, denominator)
+    metrics = _stats("is_weight", w[m])
+    metrics["is_truncated_frac"] = (w[m] > is_cap).float().mean() if is_cap is not None else zero.clone()
+    metrics["clip_frac"] = clipped[m].float().mean()
+    metrics.update(_mismatch(lp_ref, lp_infer, m))
+    metrics["num_tokens"] = m.sum().to(logp_train.dtype)
+    metrics["num_sequences"] = m.any(-1).sum().to(logp_train.dtype)
+    return loss, metrics
+
+
+@register_policy_loss("sequence_is")
+def sequence_is_loss(
+    logp_train: Tensor,
+    logp_infer: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    logp_old: Optional[Tensor] = None,
+    is_cap: Optional[float] = None,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    aggregation: Aggregation = "seq_mean_token_mean",
+    denominator: Optional[float] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Sequence-level (GSPO-style, geometric-mean) IS policy loss (module docstring); returns (loss, metrics)."""
+    m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
+    lp = torch.where(m, logp_train, zero)
+    lp_infer = torch.where(m, logp_infer.detach(), zero)
+    lp_ref = lp.detach() if logp_old is None else torch.where(m, logp_old.detach(), zero)
+    n_tok = m.sum(-1).clamp(min=1).to(lp.dtype)
+    seq = m.any(-1)
+
+    def seq_mean(x: Tensor) -> Tensor:
+        return x.sum(-1) / n_tok
+
+    w = torch.exp(seq_mean(lp_ref - lp_infer))
+    w_used = w if is_cap is None else torch.clamp(w, max=is_cap)
+    log_rho = None if logp_old is None else seq_mean(lp - lp_ref)
+    rho_plain = torch.exp(seq_mean(lp - lp.detach()))
+    obj_seq, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach(), clip_eps_low, clip_eps_high)
+    obj = torch.where(m, obj_seq[:, None].expand_as(lp), zero)
+    loss = -aggregate(obj, m, aggregation, denominator)
+    metrics = _stats("is_weight", w[seq])
+    metrics["is_truncated_frac"] = (w[seq] > is_cap).float().mean() if is_cap is not None else zero.clone()
+    metrics["clip_frac"] = clipped[seq].float().mean()
+    metrics.update(_mismatch(lp_ref, lp_infer, m))
+    metrics["num_tokens"] = m.sum().to(logp_train.dtype)
+    metrics["num_sequences"] = seq.sum().to(logp_train.dtype)
+    return loss, metrics
