@@ -1,0 +1,172 @@
+"""SearXNG backend against a local aiohttp server on 127.0.0.1: parsing, retries, timeouts, errors.
+
+A stalling or failing server must give a tool error result and e_i += 1, never a crash.
+"""
+import asyncio
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from megatron_search.search import SearchBackendError, SearchTool, ToolCall, build_backend
+from megatron_search.search.searxng import SearxngBackend
+from megatron_search.config.rollout import SearchConfig
+
+PAYLOAD = {"query": "q", "results": [
+    {"title": "First", "url": "https://a.example/1", "content": "first snippet"},
+    {"title": "", "url": "https://a.example/2", "content": None},
+    {"title": "no url"},
+    {"title": "Third", "url": "https://a.example/3", "content": "third"},
+]}
+
+
+class FakeSearxng:
+    """aiohttp app in a background thread; `mode` picks the behaviour, `hits` counts requests."""
+
+    def __init__(self):
+        self.mode = "ok"
+        self.hits = 0
+        self.seen = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "test server did not start"
+
+    async def handle(self, request):
+        self.hits += 1
+        self.seen.append((dict(request.query), request.headers.get("Authorization")))
+        if self.mode == "stall":
+            await asyncio.sleep(3)
+        if self.mode == "500":
+            return web.Response(status=500, text="boom")
+        if self.mode == "404":
+            return web.Response(status=404, text="nope")
+        if self.mode == "html":
+            return web.Response(text="<html>not json</html>", content_type="text/html")
+        if self.mode == "flaky" and self.hits == 1:
+            return web.Response(status=503)
+        return web.json_response(PAYLOAD)
+
+    def _serve(self, ready):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/search", self.handle)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = FakeSearxng()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def reset(server):
+    server.mode, server.hits, server.seen = "ok", 0, []
+
+
+def backend(server, **kw):
+    kw.setdefault("timeout_s", 0.3)
+    kw.setdefault("retries", 2)
+    kw.setdefault("backoff_s", 0.01)
+    return SearxngBackend(server.url, **kw)
+
+
+def test_parses_results_and_sends_json_query(server):
+    hits = backend(server).search("who founded Y Combinator", 2)
+    assert [(h.title, h.url, h.snippet) for h in hits] == [
+        ("First", "https://a.example/1", "first snippet"), ("https://a.example/2", "https://a.example/2", "")]
+    assert server.seen[0][0] == {"q": "who founded Y Combinator", "format": "json"}
+    assert server.seen[0][1] is None
+    assert [h.doc_id for h in backend(server).search("q", 10)] == [
+        "https://a.example/1", "https://a.example/2", "https://a.example/3"]
+
+
+def test_retries_after_503_then_succeeds(server):
+    server.mode = "flaky"
+    assert len(backend(server).search("q", 10)) == 3 and server.hits == 2
+
+
+def test_500_retried_then_clear_error(server):
+    server.mode = "500"
+    with pytest.raises(SearchBackendError, match=r"HTTP 500 \(3 attempt"):
+        backend(server, retries=2).search("q", 5)
+    assert server.hits == 3
+
+
+def test_404_and_non_json_are_not_retried(server):
+    server.mode = "404"
+    with pytest.raises(SearchBackendError, match=r"HTTP 404 \(1 attempt"):
+        backend(server).search("q", 5)
+    server.mode = "html"
+    with pytest.raises(SearchBackendError, match="not JSON"):
+        backend(server).search("q", 5)
+    assert server.hits == 2
+
+
+def test_stalling_server_times_out_into_tool_error_and_counts_e(server):
+    server.mode = "stall"
+    tool = SearchTool(backend(server, timeout_s=0.2, retries=1))
+    session = tool.session()
+
+    async def go():
+        try:
+            return await session.execute_all([ToolCall("search_web", {"query": "slow"})])
+        finally:
+            await tool.backend.aclose()
+
+    start = time.perf_counter()
+    (result,) = asyncio.run(go())
+    assert time.perf_counter() - start < 2.0  # two 0.2 s attempts, not the server's 3 s stall
+    assert result.failed and not result.ok and "timed out after 0.2 s (2 attempt(s))" in result.text
+    assert session.stats.failed == 1 and session.stats.calls == 1 and session.stats.effective_calls == 0
+    assert server.hits == 2
+
+
+def test_server_error_in_agent_path_counts_e_per_call(server):
+    server.mode = "500"
+    tool = SearchTool(backend(server, retries=0))
+    session = tool.session()
+
+    async def go():
+        out = await session.execute_all([ToolCall("search_web", {"query": q}) for q in ("a", "b", "c")])
+        await tool.backend.aclose()
+        return out
+
+    results = asyncio.run(go())
+    assert [r.failed for r in results] == [True, True, True] and session.stats.failed == 3
+
+
+def test_connection_refused_is_an_error_not_a_crash():
+    b = SearxngBackend("http://127.0.0.1:9", timeout_s=0.5, retries=1, backoff_s=0.01)
+    with pytest.raises(SearchBackendError, match="connection failed"):
+        b.search("q", 3)
+
+
+def test_api_key_goes_in_header_and_never_in_repr(server, monkeypatch):
+    monkeypatch.setenv("MS_TEST_SEARCH_KEY", "sekrit-123")
+    b = build_backend(SearchConfig(backend="searxng", url=server.url, api_key_env="MS_TEST_SEARCH_KEY"))
+    b.search("q", 1)
+    assert server.seen[0][1] == "Bearer sekrit-123"
+    assert "sekrit" not in repr(b) and "MS_TEST_SEARCH_KEY" in repr(b)
+    monkeypatch.delenv("MS_TEST_SEARCH_KEY")
+    with pytest.raises(SearchBackendError, match="MS_TEST_SEARCH_KEY.*not set"):
+        build_backend(SearchConfig(backend="searxng", url=server.url, api_key_env="MS_TEST_SEARCH_KEY"))
