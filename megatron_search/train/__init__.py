@@ -1,0 +1,1 @@
+"""Training loops (SFT, GRPO) on Megatron-Core, checkpoints, metrics."""
