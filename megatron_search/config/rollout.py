@@ -24,13 +24,41 @@ class SearchConfig(Section):
 
 
 class SGLangConfig(Section):
+    """`python -m sglang.launch_server` flags (rollout/sglang.py builds the command line)."""
+
+    model_path: Optional[str] = Field(None, description="HF directory served; None = model.checkpoint")
     tp: PositiveInt = 1
     ep: PositiveInt = 1
     dp: PositiveInt = 1
     mem_fraction_static: float = Field(0.8, gt=0.0, le=1.0)
     host: str = "127.0.0.1"
     base_port: PositiveInt = 30000
+    enable_memory_saver: bool = Field(True, description="needed by release/resume_memory_occupation (colocated)")
+    context_length: Optional[PositiveInt] = Field(None, description="--context-length; None = the model's")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    skip_tokenizer_init: bool = Field(True, description="token in, token out (no server-side tokenizer; no /v1/chat/completions)")
+    startup_timeout_s: PositiveFloat = Field(900.0, description="health wait after launch")
+    request_timeout_s: PositiveFloat = Field(3600.0, description="HTTP timeout of one client request")
+    log_dir: str = Field("logs/sglang", description="one log file per server (relative to run.output_dir)")
+    use_router: bool = Field(False, description="front several servers with sglang-router (python -m sglang_router.launch_router)")
+    router_port: PositiveInt = 29999
     extra_args: list[str] = Field(default_factory=list)
+
+
+class LocalEngineConfig(Section):
+    """The CPU engine (rollout/local.py): the HF model under transformers, SGLang's HTTP API subset."""
+
+    model_path: Optional[str] = Field(None, description="HF directory (config.json [+ safetensors]); None = model.hf_config")
+    dtype: Optional[Literal["float32", "bfloat16"]] = Field(None, description="None = model.params_dtype")
+    seed: int = Field(0, description="random init seed (config-only models) and base of per-request sampling seeds")
+    max_running_requests: PositiveInt = Field(64, description="requests decoded together in one batched forward")
+    prefix_cache_entries: NonNegativeInt = Field(
+        256, description="finished sequences whose state is kept for reuse by the next turn (0 = off)"
+    )
+    host: str = "127.0.0.1"
+    port: NonNegativeInt = Field(0, description="0 = pick a free port")
+    weight_version: str = Field("default", description="initial weight version (SGLang's default name)")
+    startup_timeout_s: PositiveFloat = Field(120.0, description="health wait after launching the server process")
 
 
 class RolloutConfig(Section):
@@ -47,4 +75,8 @@ class RolloutConfig(Section):
         "finish", description="what happens to in-flight requests when weights are updated"
     )
     weight_bucket_mb: PositiveInt = 512
+    return_original_logprob: bool = Field(
+        False, description="logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB); default: of the sampling distribution"
+    )
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
+    local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)

@@ -1,0 +1,401 @@
+"""The local CPU engine: SGLang's engine semantics over an HF transformers model, in process.
+
+A scheduler task steps all in-flight requests together: new requests are prefilled one by one
+(reusing a cached prefix when an earlier turn's sequence is a prefix of the input), then every
+running request advances one token in a single batched forward (local_runner.py). Control
+operations (weight updates, flush, pause) take the same lock as a step, so they happen between
+steps, never inside one. Torch work runs in a worker thread so an HTTP server on the same event
+loop keeps answering.
+
+Logprobs are fp32 log-softmax of logits / temperature (the sampling distribution, before top-p
+truncation), or of the raw logits with `return_original_logprob` (SGLang's env switch of the
+same name). temperature 0 samples greedily and reports raw-logit logprobs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
+from .local_runner import ModelRunner, SeqState, load_hf_model
+from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
+from .types import FinishReason, GenerateRequest, GenerateResult
+from .weight_group import open_gloo_group, receive_named_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Active:
+    """One in-flight request and everything sampled for it so far."""
+
+    req: GenerateRequest
+    future: asyncio.Future
+    generator: torch.Generator
+    stop_ids: frozenset
+    state: Optional[SeqState] = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish: Optional[FinishReason] = None
+
+    @property
+    def fed_target(self) -> list[int]:
+        """Tokens whose state must exist before the next sample: input + every output so far."""
+        return list(self.req.input_ids) + self.output_ids
+
+
+class PrefixStore:
+    """LRU of finished sequences' states; a new request reuses the longest stored strict prefix."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, SeqState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, state: SeqState) -> None:
+        if self.max_entries == 0 or not state.tokens:
+            return
+        key = tuple(state.tokens)
+        self._entries[key] = state
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def longest_prefix(self, tokens: list[int]) -> Optional[SeqState]:
+        """The stored state of the longest sequence that is a strict prefix of `tokens`."""
+        for n in sorted({len(k) for k in self._entries}, reverse=True):
+            if n < len(tokens):
+                key = tuple(tokens[:n])
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    return self._entries[key]
+        return None
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def sample_tokens(
+    logits_BV: torch.Tensor, actives: Sequence[_Active], original_logprob: bool
+) -> list[tuple[int, float]]:
+    """Sample one token per row with that request's params and seeded generator; fp32 logprobs."""
+    out = []
+    raw_logp = torch.log_softmax(logits_BV, dim=-1)
+    for row, a in enumerate(actives):
+        sp = a.req.sampling
+        if sp.temperature == 0:
+            tok = int(torch.argmax(logits_BV[row]))
+            out.append((tok, float(raw_logp[row, tok])))
+            continue
+        logp = torch.log_softmax(logits_BV[row] / sp.temperature, dim=-1)
+        probs = logp.exp()
+        if sp.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            # keep the smallest head whose mass reaches top_p (the first token always stays)
+            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= sp.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            tok = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=a.generator)])
+        else:
+            tok = int(torch.multinomial(probs, 1, generator=a.generator))
+        out.append((tok, float(raw_logp[row, tok] if original_logprob else logp[tok])))
+    return out
+
+
+class LocalEngine(Engine):
+    """In-process CPU engine; `local_server.py` puts SGLang's HTTP API in front of it."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_running_requests: int = 64,
+        prefix_cache_entries: int = 256,
+        weight_version: str = "default",
+        return_original_logprob: bool = False,
+    ):
+        self.model_path = str(model_path)
+        self.runner = ModelRunner(load_hf_model(model_path, dtype=dtype, seed=seed))
+        self.vocab_size = int(self.runner.config.vocab_size)
+        self.seed = seed
+        self.max_running = max_running_requests
+        self.prefix = PrefixStore(prefix_cache_entries)
+        self.weight_version = weight_version
+        self.original_logprob = return_original_logprob
+        self._counter = itertools.count()
+        self._waiting: list[_Active] = []
+        self._running: list[_Active] = []
+        self._lock: Optional[asyncio.Lock] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._task: Optional[asyncio.Task] = None
+        self._paused = False
+        self._released: set[str] = set()
+        self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._groups: dict[str, object] = {}
+        self.steps = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "LocalEngine":
+        """Build from the root Config (rollout.local + model sections)."""
+        lc = cfg.rollout.local
+        path = lc.model_path or str(cfg.model.resolved_hf_config())
+        return cls(
+            path, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,
+            max_running_requests=lc.max_running_requests, prefix_cache_entries=lc.prefix_cache_entries,
+            weight_version=lc.weight_version, return_original_logprob=cfg.rollout.return_original_logprob,
+        )
+
+    # -- scheduler ---------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._lock is None:
+            self._lock, self._wake = asyncio.Lock(), asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._schedule())
+
+    def _can_step(self) -> bool:
+        return not self._paused and not self._released and bool(self._waiting or self._running)
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._can_step():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._lock:
+                if not self._can_step():
+                    continue
+                room = max(0, self.max_running - len(self._running))
+                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+                batch = self._running + admitted
+                try:
+                    await loop.run_in_executor(None, self._step, batch)
+                except Exception as e:  # a bug in one step fails its requests, not the engine
+                    log.exception("local engine step failed")
+                    for a in batch:
+                        if not a.future.done():
+                            a.future.set_exception(EngineError(f"local engine step failed: {type(e).__name__}: {e}"))
+                    self._running = []
+                    continue
+                self.steps += 1
+                self._running = [a for a in batch if a.finish is None]
+                for a in batch:
+                    if a.finish is not None:
+                        self._complete(a)
+
+    def _step(self, batch: list[_Active]) -> None:
+        """Worker thread: bring every request one sampled token further."""
+        fresh = [a for a in batch if a.state is None]
+        ongoing = [a for a in batch if a.state is not None]
+        for a in fresh:
+            target = a.fed_target
+            prefix = self.prefix.longest_prefix(target)
+            a.cached_tokens = len(prefix.tokens) if prefix else 0
+            a.state, logits = self.runner.prefill(target[a.cached_tokens:], prefix)
+            self._accept([a], logits[None])
+        if ongoing:
+            states, logits = self.runner.decode([a.state for a in ongoing], [a.output_ids[-1] for a in ongoing])
+            for a, s in zip(ongoing, states):
+                a.state = s
+            self._accept(ongoing, logits)
+
+    def _accept(self, actives: list[_Active], logits_BV: torch.Tensor) -> None:
+        for a, (tok, lp) in zip(actives, sample_tokens(logits_BV, actives, self.original_logprob)):
+            a.output_ids.append(tok)
+            a.logprobs.append(lp)
+            if tok in a.stop_ids:
+                a.finish = FinishReason("stop", matched=tok)
+            elif len(a.output_ids) >= a.req.sampling.max_new_tokens:
+                a.finish = FinishReason("length")
+            elif len(a.req.input_ids) + len(a.output_ids) >= self.runner.max_positions:
+                a.finish = FinishReason("length", message="context length reached")
+
+    def _complete(self, a: _Active) -> None:
+        if a.future.done():
+            return
+        if a.state is not None and a.finish.type != "abort":
+            self.prefix.put(a.state)
+        experts = None
+        if a.req.return_routed_experts and a.state is not None and self.runner.num_moe_layers:
+            # rows for positions [start_len, seqlen - 1): the state holds exactly seqlen - 1 fed tokens
+            experts = a.state.routed_experts(a.req.routed_experts_start_len)
+        a.future.set_result(
+            GenerateResult(
+                output_ids=list(a.output_ids),
+                output_logprobs=list(a.logprobs) if a.req.return_logprob else None,
+                finish_reason=a.finish,
+                weight_version=self.weight_version,
+                prompt_tokens=len(a.req.input_ids),
+                cached_tokens=a.cached_tokens,
+                routed_experts_NLK=experts,
+            )
+        )
+
+    def _validate(self, req: GenerateRequest) -> None:
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(req.input_ids) >= self.runner.max_positions:
+            raise ValueError(f"input_ids: {len(req.input_ids)} tokens exceed the context length {self.runner.max_positions}")
+        if req.return_routed_experts and not self.runner.num_moe_layers:
+            raise ValueError("return_routed_experts: the served model has no MoE layers")
+
+    # -- Engine API ----------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        self._validate(request)
+        self._ensure_loop()
+        seed = request.sampling.seed if request.sampling.seed is not None else self.seed * 1_000_003 + next(self._counter)
+        stop = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            stop.update(self.runner.eos_token_ids())
+        a = _Active(request, asyncio.get_running_loop().create_future(), torch.Generator().manual_seed(seed), frozenset(stop))
+        self._waiting.append(a)
+        self._wake.set()
+        return await a.future
+
+    async def _control(self, fn, *args, abort_all: bool = False):
+        """Run `fn` between steps (worker thread), optionally aborting in-flight requests first."""
+        self._ensure_loop()
+        async with self._lock:
+            if abort_all:
+                self._abort_all("aborted for a weight update")
+            result = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._wake.set()
+        return result
+
+    def _abort_all(self, message: str) -> None:
+        for a in self._running + self._waiting:
+            a.finish = FinishReason("abort", message=message)
+            self._complete(a)
+        self._running, self._waiting = [], []
+
+    def _after_update(self, weight_version: Optional[str], flush_cache: bool) -> None:
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        if flush_cache:
+            self.prefix.clear()
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True, abort_all_requests=False):
+        def run():
+            if "weights" in self._released:
+                raise EngineError("update_weights_from_tensor: weights are released; resume_memory_occupation first")
+            load_named_tensors(self.runner.model, named_tensors)
+            self._after_update(weight_version, flush_cache)
+        await self._control(run, abort_all=abort_all_requests)
+
+    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
+        def run():
+            load_named_tensors(self.runner.model, read_safetensors_dir(model_path))
+            self._after_update(weight_version, True)
+        await self._control(run, abort_all=abort_all_requests)
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                        group_name="weight_update_group", backend="gloo"):
+        if backend != "gloo":
+            raise EngineError(f"init_weights_update_group: the CPU engine supports backend 'gloo', not {backend!r}")
+        if group_name in self._groups:
+            raise EngineError(f"init_weights_update_group: group {group_name!r} already exists")
+        # Joining blocks until the trainer joins too: do it off the event loop, outside the step lock.
+        group = await asyncio.to_thread(open_gloo_group, master_address, int(master_port), int(rank_offset),
+                                        int(world_size), group_name)
+        self._groups[group_name] = group
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                              weight_version=None, flush_cache=True, abort_all_requests=False):
+        group = self._groups.get(group_name)
+        if group is None:
+            raise EngineError(f"update_weights_from_distributed: no group {group_name!r}; call init_weights_update_group")
+        torch_dtypes = check_dtypes(dtypes)
+
+        def run():
+            named = receive_named_tensors(group, names, torch_dtypes, shapes)
+            load_named_tensors(self.runner.model, named)
+            self._after_update(weight_version, flush_cache)
+        await self._control(run, abort_all=abort_all_requests)
+
+    async def destroy_weights_update_group(self, group_name="weight_update_group"):
+        if self._groups.pop(group_name, None) is None:
+            raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
+
+    async def flush_cache(self) -> None:
+        await self._control(self.prefix.clear)
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation: mode must be abort, retract or in_place, got {mode!r}")
+        self._ensure_loop()
+        async with self._lock:
+            self._paused = True
+            if mode == "abort":
+                self._abort_all("aborted by pause_generation")
+            elif mode == "retract":
+                self._retract()
+
+    def _retract(self) -> None:
+        """Drop running requests' states; they are recomputed (prefill of input + output) later."""
+        for a in self._running:
+            a.state = None
+        self._waiting = self._running + self._waiting
+        self._running = []
+
+    async def continue_generation(self) -> None:
+        self._ensure_loop()
+        self._paused = False
+        self._wake.set()
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        tags = set(tags or ("weights", "kv_cache"))
+        unknown = tags - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"release_memory_occupation: unknown tags {sorted(unknown)}")
+        self._ensure_loop()
+        async with self._lock:
+            if "kv_cache" in tags:
+                self.prefix.clear()
+                self._retract()
+            if "weights" in tags and "weights" not in self._released:
+                for name, p in self.runner.model.named_parameters():
+                    self._weight_shapes[name] = (p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype)
+            self._released |= tags
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        tags = set(tags or ("weights", "kv_cache"))
+        self._ensure_loop()
+        async with self._lock:
+            if "weights" in tags and "weights" in self._released:
+                # Like SGLang without a CPU backup: memory comes back, contents must be pushed again.
+                for name, p in self.runner.model.named_parameters():
+                    shape, dtype = self._weight_shapes[name]
+                    p.data = torch.zeros(shape, dtype=dtype)
+            self._released -= tags
+        self._wake.set()
+
+    async def health(self) -> bool:
+        return "weights" not in self._released
+
+    async def get_model_info(self) -> ModelInfo:
+        return ModelInfo(self.model_path, self.weight_version, True, self.runner.num_moe_layers, self.runner.top_k)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        for a in self._running + self._waiting:
+            if not a.future.done():
+                a.future.set_exception(EngineError("local engine closed"))
+        self._running, self._waiting = [], []

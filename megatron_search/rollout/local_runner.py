@@ -1,0 +1,223 @@
+"""Forward passes of the local CPU engine: an HF transformers MoE model with per-request state.
+
+Each request owns its cache rows (`SeqState`, batch dimension 1): KV for attention layers,
+conv + recurrent state for Gated DeltaNet layers. A decode step stacks the rows of all running
+requests into one transformers `DynamicCache` (attention KV left-padded to the longest, with
+a padding mask and each row's true position), runs ONE batched forward, and splits the cache
+back. Prefill runs per request (padding would leak into the GDN recurrence). Router top-k
+indices are captured by forward hooks, one row per fed token, for routing replay.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, DynamicCache
+
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_model(path: str | Path, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
+    """The HF model at `path` (a config.json directory): safetensors weights when present,
+    otherwise a seeded random initialisation (the tiny test models ship only a config)."""
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"local engine: no config.json in {path}")
+    cfg = AutoConfig.from_pretrained(str(path))
+    arch = (cfg.architectures or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise ValueError(f"local engine: {path}/config.json names architecture {arch!r}, unknown to transformers")
+    torch_dtype = _DTYPES[dtype]
+    if any(path.glob("*.safetensors")):
+        model = cls.from_pretrained(str(path), dtype=torch_dtype)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = cls(cfg).to(torch_dtype)
+    return model.eval()
+
+
+def text_config(model: torch.nn.Module):
+    return model.config.get_text_config(decoder=True)
+
+
+@dataclass
+class SeqState:
+    """Model state after feeding `tokens` (cache rows with batch dim 1, router top-k per token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    experts: list[np.ndarray] = field(default_factory=list)  # chunks of [n, L, K] int32
+
+    def routed_experts(self, start: int = 0) -> np.ndarray:
+        all_NLK = np.concatenate(self.experts, axis=0) if len(self.experts) != 1 else self.experts[0]
+        self.experts = [all_NLK]
+        return all_NLK[start:]
+
+
+class ModelRunner:
+    """Runs prefill and batched decode for a transformers causal LM (Qwen3-MoE, Qwen3.5-MoE)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = text_config(model)
+        self.layer_types = self._layer_types()
+        self._routers = self._find_routers()
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_idx, module in self._routers:
+            module.register_forward_hook(self._make_hook(layer_idx))
+
+    # -- model facts ------------------------------------------------------------------------
+    def _layer_types(self) -> list[str]:
+        probe = DynamicCache(config=self.model.config)
+        kinds = []
+        for layer in probe.layers:
+            kinds.append("linear" if hasattr(layer, "conv_states") else "attention")
+        return kinds
+
+    def _find_routers(self) -> list[tuple[int, torch.nn.Module]]:
+        out = []
+        for name, module in self.model.named_modules():
+            m = _ROUTER_NAME.search(name)
+            if m and "visual" not in name and hasattr(module, "top_k"):
+                out.append((int(m.group(1)), module))
+        return sorted(out, key=lambda x: x[0])
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self._routers)
+
+    @property
+    def top_k(self) -> int:
+        return int(self._routers[0][1].top_k) if self._routers else 0
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _make_hook(self, layer_idx: int):
+        def hook(_module, _inputs, output):
+            # Routers return (logits, scores, indices); indices are [batch*seq, top_k].
+            self._captured[layer_idx] = output[2].detach()
+        return hook
+
+    def _take_experts(self) -> Optional[np.ndarray]:
+        if not self._routers:
+            return None
+        cols = [self._captured.pop(i) for i, _ in self._routers]
+        return torch.stack(cols, dim=1).to(torch.int32).numpy()  # [rows, L, K]
+
+    # -- forward passes ---------------------------------------------------------------------
+    def _cache_from(self, states: list[SeqState]) -> tuple[DynamicCache, list[int]]:
+        """One DynamicCache holding every state's rows; attention KV left-padded to the longest."""
+        lengths = [len(s.tokens) for s in states]
+        longest = max(lengths)
+        pads = [longest - n for n in lengths]
+        cache = DynamicCache(config=self.model.config)
+        for li, (kind, layer) in enumerate(zip(self.layer_types, cache.layers)):
+            a = [s.layers[li][0] for s in states]
+            b = [s.layers[li][1] for s in states]
+            if kind == "attention":
+                if any(pads):
+                    a = [torch.nn.functional.pad(t, (0, 0, p, 0)) for t, p in zip(a, pads)]
+                    b = [torch.nn.functional.pad(t, (0, 0, p, 0)) for t, p in zip(b, pads)]
+                layer.keys, layer.values = torch.cat(a), torch.cat(b)
+                layer.device, layer.is_initialized = layer.keys.device, True
+            else:
+                conv, rec = torch.cat(a), torch.cat(b)
+                layer.conv_states[0], layer.recurrent_states[0] = conv, rec
+                layer.conv_kernel_size[0] = conv.shape[-1]
+                layer.device, layer.dtype = conv.device, conv.dtype
+                layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+                layer.has_previous_state[0] = True
+        return cache, pads
+
+    def _rows_of(self, cache: DynamicCache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for kind, layer in zip(self.layer_types, cache.layers):
+            if kind == "attention":
+                out.append((layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:]))
+            else:
+                out.append((layer.conv_states[0][row : row + 1], layer.recurrent_states[0][row : row + 1]))
+        return out
+
+    @torch.no_grad()
+    def prefill(self, tokens: list[int], prefix: Optional[SeqState] = None) -> tuple[SeqState, torch.Tensor]:
+        """Feed `tokens` after `prefix` (or from scratch); returns the new state and fp32 logits [V]."""
+        start = len(prefix.tokens) if prefix else 0
+        if prefix:
+            cache, _ = self._cache_from([prefix])
+        else:
+            cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([tokens], dtype=torch.long)
+        pos = torch.arange(start, start + len(tokens), dtype=torch.long)[None]
+        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        experts = self._take_experts()
+        state = SeqState(
+            tokens=(prefix.tokens if prefix else []) + list(tokens),
+            layers=self._rows_of(cache, 0, 0),  # the forward grew `cache` in place
+            experts=(list(prefix.experts) if prefix else []) + ([experts] if experts is not None else []),
+        )
+        return state, out.logits[0, -1].float()
+
+    @torch.no_grad()
+    def decode(self, states: list[SeqState], next_tokens: list[int]) -> tuple[list[SeqState], torch.Tensor]:
+        """Feed one token per state in a single batched forward; returns new states and fp32 logits [B, V]."""
+        cache, pads = self._cache_from(states)
+        longest = len(states[0].tokens) + pads[0]
+        mask = torch.ones(len(states), longest + 1, dtype=torch.long)
+        for r, p in enumerate(pads):
+            mask[r, :p] = 0
+        ids = torch.tensor(next_tokens, dtype=torch.long)[:, None]
+        pos = torch.tensor([len(s.tokens) for s in states], dtype=torch.long)[:, None]
+        out = self.model(
+            input_ids=ids, position_ids=pos, attention_mask=mask if any(pads) else None,
+            cache=cache, use_cache=True, logits_to_keep=1,
+        )
+        experts = self._take_experts()
+        new_states = []
+        for r, (s, tok) in enumerate(zip(states, next_tokens)):
+            new_states.append(
+                SeqState(
+                    tokens=s.tokens + [tok],
+                    layers=self._rows_of(cache, r, pads[r]),
+                    experts=s.experts + ([experts[r : r + 1]] if experts is not None else []),
+                )
+            )
+        return new_states, out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """Plain full forward (no cache): logprob of token t+1 given tokens <= t, [len - 1] fp32."""
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        self._captured.clear()
+        if temperature > 0:
+            logits = logits / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def read_model_path(path: str | Path) -> dict:
+    """The config.json of an HF directory (for /get_model_info and architecture checks)."""
+    p = Path(path)
+    p = p if p.is_file() else p / "config.json"
+    with open(p) as f:
+        return json.load(f)

@@ -1,0 +1,136 @@
+"""Load HF-named tensors into the local engine's transformers model, as SGLang does.
+
+Accepted names: the model's own parameter names (fused experts `mlp.experts.gate_up_proj`
+[E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]) and the per-expert HF
+checkpoint names `mlp.experts.{j}.{gate,up,down}_proj.weight` (Qwen3-MoE checkpoints), which
+land in the matching slice of the fused tensor. `mtp.*` tensors are skipped: transformers
+builds no MTP layers, and this engine does no speculative decoding. Every name and shape is
+checked before the first byte is written, so a bad update leaves the model untouched.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from safetensors import safe_open
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+SKIPPED_PREFIXES = ("mtp.",)
+
+
+class WeightUpdateError(ValueError):
+    """A tensor name, shape or file does not fit the served model."""
+
+
+def _target(params: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, tuple]:
+    """The parameter (and index into it) that HF tensor `name` writes."""
+    if name in params:
+        return params[name], ()
+    m = _PER_EXPERT.match(name)
+    if m:
+        proj = "down_proj" if m["proj"] == "down_proj" else "gate_up_proj"
+        fused = params.get(f"{m['prefix']}.{proj}")
+        if fused is not None:
+            j = int(m["j"])
+            if j >= fused.shape[0]:
+                raise WeightUpdateError(f"{name}: expert {j} out of range (model has {fused.shape[0]} experts)")
+            if m["proj"] == "down_proj":
+                return fused, (j,)
+            half = fused.shape[1] // 2
+            rows = slice(0, half) if m["proj"] == "gate_proj" else slice(half, 2 * half)
+            return fused, (j, rows)
+    near = [p for p in params if p.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]][:3]
+    hint = f"; parameters under the same module: {near}" if near else ""
+    raise WeightUpdateError(f"{name}: no such parameter in the served model{hint}")
+
+
+def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """Copy tensors into `model` by HF name. Returns (loaded, skipped). Atomic on error."""
+    params = dict(model.named_parameters())
+    plan = []
+    skipped = 0
+    for name, tensor in named:
+        if name.startswith(SKIPPED_PREFIXES):
+            skipped += 1
+            continue
+        dest, index = _target(params, name)
+        view = dest[index] if index else dest
+        if tuple(view.shape) != tuple(tensor.shape):
+            raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(view.shape)}")
+        if not (tensor.is_floating_point() and dest.is_floating_point()):
+            raise WeightUpdateError(f"{name}: dtype {tensor.dtype} is not a floating point weight")
+        plan.append((dest, index, tensor))
+    with torch.no_grad():
+        for dest, index, tensor in plan:
+            (dest[index] if index else dest).copy_(tensor.to(dest.dtype))
+    return len(plan), skipped
+
+
+def read_safetensors_dir(path: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """All tensors of the *.safetensors files in an HF checkpoint directory (sorted by file)."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise WeightUpdateError(f"update_weights_from_disk: no .safetensors files in {path}")
+    out = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                out.append((key, sf.get_tensor(key)))
+    return out
+
+
+def named_parameters_for_sync(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters by HF name (what a trainer would push); handy for tests and tools."""
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+def check_dtypes(dtypes: Sequence[str]) -> list[torch.dtype]:
+    """torch dtypes for SGLang's dtype strings ('bfloat16' or 'torch.bfloat16')."""
+    out = []
+    for d in dtypes:
+        name = d.split(".")[-1]
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise WeightUpdateError(f"unknown dtype {d!r}")
+        out.append(dt)
+    return out
+
+
+# --- wire format of /update_weights_from_tensor on the local server ---------------------------
+# SGLang's own payload is a pickled, process-local (CUDA IPC) handle: meaningless across hosts and
+# unsafe to unpickle from a socket. The local server takes, per TP rank (it has one), the base64 of
+# a safetensors blob of the named tensors: portable, typed, and parsed without executing code.
+LOCAL_TENSOR_FORMAT = "safetensors_base64"
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """base64(safetensors) of the named tensors, the local server's `serialized_named_tensors` item."""
+    import base64
+
+    from safetensors.torch import save
+
+    tensors = {}
+    for name, t in named:
+        if name in tensors:
+            raise WeightUpdateError(f"serialize_named_tensors: duplicate name {name}")
+        tensors[name] = t.detach().to("cpu").contiguous().clone()
+    return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of `serialize_named_tensors`; a clear error for anything else."""
+    import base64
+    import binascii
+
+    from safetensors.torch import load
+
+    try:
+        raw = base64.b64decode(data.encode("ascii"), validate=True)
+        return list(load(raw).items())
+    except (binascii.Error, ValueError, UnicodeEncodeError) as e:
+        raise WeightUpdateError(f"serialized_named_tensors: not base64 safetensors ({type(e).__name__}: {e})") from None
+    except Exception as e:  # safetensors raises its own error type on a corrupt header
+        raise WeightUpdateError(f"serialized_named_tensors: unreadable safetensors blob ({e})") from None

@@ -1,0 +1,361 @@
+"""SGLang servers: launch them, wait until healthy, and drive them over the native HTTP API.
+
+`SGLangClient` implements `Engine` over HTTP and talks to SGLang and to the local CPU engine
+server alike (same paths and fields; only the `/update_weights_from_tensor` payload differs:
+SGLang takes its in-process serializer's string, the local server base64 safetensors; pick with
+`tensor_format`). `ServerProcess` owns one server subprocess with its own log file;
+`sglang_command` builds the launch line from the config; `launch_router` fronts several servers
+with sglang-router.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import aiohttp
+
+from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode, decode_routed_experts
+from .local_weights import LOCAL_TENSOR_FORMAT, serialize_named_tensors
+from .types import FinishReason, GenerateRequest, GenerateResult
+
+TensorFormat = Literal["safetensors_base64", "sglang"]
+
+
+class SGLangClient(Engine):
+    """HTTP client for one engine server (SGLang or the local CPU engine) or an sglang-router."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 3600.0,
+        moe_shape: Optional[tuple[int, int]] = None,
+        tensor_format: TensorFormat = LOCAL_TENSOR_FORMAT,
+        tp_size: int = 1,
+        max_connections: int = 0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.moe_shape = moe_shape
+        self.tensor_format = tensor_format
+        self.tp_size = tp_size
+        self.max_connections = max_connections
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    # -- transport ------------------------------------------------------------------------------
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            conn = aiohttp.TCPConnector(limit=self.max_connections)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=conn)
+        return self._session
+
+    async def _call(self, path: str, payload: Optional[dict] = None, method: str = "POST") -> Any:
+        url = f"{self.base_url}{path}"
+        try:
+            async with self._sess().request(method, url, json=payload) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise EngineError(f"{url}: HTTP {resp.status}: {text[:1000]}")
+                if resp.content_type == "application/json":
+                    body = await resp.json()
+                    if isinstance(body, dict) and body.get("success") is False:
+                        raise EngineError(f"{url}: {body.get('message')}")
+                    return body
+                return text
+        except aiohttp.ClientError as e:
+            raise EngineError(f"{url}: {type(e).__name__}: {e}") from e
+        except asyncio.TimeoutError as e:
+            raise EngineError(f"{url}: no answer within {self.timeout.total} s") from e
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- generation -----------------------------------------------------------------------------
+    async def _moe_shape(self) -> tuple[int, int]:
+        if self.moe_shape is None:
+            info = await self._call("/get_model_info", method="GET")
+            if not info.get("num_moe_layers"):
+                raise EngineError(
+                    f"{self.base_url}: cannot decode routed_experts without (MoE layers, top_k); "
+                    "pass moe_shape to SGLangClient (from the model's config.json)"
+                )
+            self.moe_shape = (int(info["num_moe_layers"]), int(info["moe_top_k"]))
+        return self.moe_shape
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        payload: dict[str, Any] = {
+            "input_ids": list(request.input_ids),
+            "sampling_params": request.sampling.to_json(),
+            "return_logprob": request.return_logprob,
+            "stream": False,
+        }
+        if request.return_logprob:
+            payload["logprob_start_len"] = -1  # output tokens only
+        if request.return_routed_experts:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = request.routed_experts_start_len
+        if request.rid is not None:
+            payload["rid"] = request.rid
+        body = await self._call("/generate", payload)
+        return await self._parse_generate(request, body)
+
+    async def _parse_generate(self, request: GenerateRequest, body: dict) -> GenerateResult:
+        where = f"{self.base_url}/generate"
+        meta = body.get("meta_info") or {}
+        output_ids = body.get("output_ids")
+        if not isinstance(output_ids, list):
+            raise EngineError(f"{where}: response has no output_ids (is the server started with --skip-tokenizer-init?)")
+        logprobs = None
+        if request.return_logprob:
+            rows = meta.get("output_token_logprobs")
+            if rows is None or len(rows) != len(output_ids):
+                raise EngineError(f"{where}: {len(rows or [])} output_token_logprobs for {len(output_ids)} output ids")
+            if [int(r[1]) for r in rows] != [int(t) for t in output_ids]:
+                raise EngineError(f"{where}: output_token_logprobs token ids differ from output_ids")
+            logprobs = [float(r[0]) for r in rows]
+        experts = None
+        if request.return_routed_experts:
+            if "routed_experts" not in meta:
+                raise EngineError(f"{where}: no routed_experts in meta_info (start SGLang with --enable-return-routed-experts)")
+            layers, top_k = await self._moe_shape()
+            rows = len(request.input_ids) + len(output_ids) - 1 - request.routed_experts_start_len
+            experts = decode_routed_experts(meta["routed_experts"], layers, top_k, expected_rows=rows)
+        return GenerateResult(
+            output_ids=[int(t) for t in output_ids],
+            output_logprobs=logprobs,
+            finish_reason=FinishReason.from_json(meta.get("finish_reason")),
+            weight_version=str(meta.get("weight_version", "default")),
+            prompt_tokens=int(meta.get("prompt_tokens", len(request.input_ids))),
+            cached_tokens=int(meta.get("cached_tokens", 0)),
+            routed_experts_NLK=experts,
+        )
+
+    # -- weights --------------------------------------------------------------------------------
+    def _serialize(self, named_tensors) -> list[str]:
+        if self.tensor_format == LOCAL_TENSOR_FORMAT:
+            return [serialize_named_tensors(named_tensors)]
+        from sglang.srt.utils import MultiprocessingSerializer  # only on GPU hosts with SGLang installed
+
+        blob = MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
+        return [blob] * self.tp_size  # one payload per TP rank; each rank slices what it needs
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True, abort_all_requests=False):
+        payload = {
+            "serialized_named_tensors": self._serialize(named_tensors),
+            "load_format": None,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._call("/update_weights_from_tensor", payload)
+
+    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
+        payload = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._call("/update_weights_from_disk", payload)
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                        group_name="weight_update_group", backend="gloo"):
+        await self._call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend,
+        })
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                              weight_version=None, flush_cache=True, abort_all_requests=False):
+        payload = {
+            "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        await self._call("/update_weights_from_distributed", payload)
+
+    async def destroy_weights_update_group(self, group_name="weight_update_group"):
+        await self._call("/destroy_weights_update_group", {"group_name": group_name})
+
+    # -- control --------------------------------------------------------------------------------
+    async def flush_cache(self) -> None:
+        await self._call("/flush_cache", method="POST")
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        await self._call("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._call("/continue_generation", {})
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        await self._call("/release_memory_occupation", {"tags": list(tags) if tags else None})
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        await self._call("/resume_memory_occupation", {"tags": list(tags) if tags else None})
+
+    async def health(self) -> bool:
+        try:
+            await self._call("/health", method="GET")
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> ModelInfo:
+        info = await self._call("/get_model_info", method="GET")
+        version = info.get("weight_version")
+        if version is None:
+            version = (await self._call("/get_weight_version", method="GET")).get("weight_version", "default")
+        return ModelInfo(
+            model_path=str(info.get("model_path")), weight_version=str(version),
+            is_generation=bool(info.get("is_generation", True)),
+            num_moe_layers=int(info.get("num_moe_layers") or 0), moe_top_k=int(info.get("moe_top_k") or 0),
+        )
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+class ServerProcess:
+    """One server subprocess (own process group, own log file) and its base URL."""
+
+    def __init__(self, argv: list[str], log_path: str | Path, env: Optional[dict] = None):
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url: Optional[str] = None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, url: str, timeout_s: float, poll_s: float = 0.5) -> str:
+        """Poll GET {url}/health until 200; raise with the log tail if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"server exited with code {self.proc.returncode} before becoming healthy "
+                                  f"(log {self.log_path}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.url = url
+                        return url
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(poll_s)
+        self.stop()
+        raise EngineError(f"server at {url} not healthy after {timeout_s:.0f} s (log {self.log_path}):\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group (ours: start_new_session), SIGKILL after `grace_s`."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def sglang_command(
+    sg, model_path: str, port: int, routing_replay: bool, seed: int = 0,
+    weight_version: str = "default", skip_tokenizer_init: bool = True,
+) -> list[str]:
+    """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`."""
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", sg.host, "--port", str(port),
+        "--tp-size", str(sg.tp), "--ep-size", str(sg.ep), "--dp-size", str(sg.dp),
+        "--mem-fraction-static", str(sg.mem_fraction_static),
+        "--dtype", sg.dtype,
+        "--random-seed", str(seed),
+        "--weight-version", weight_version,
+    ]
+    if skip_tokenizer_init:
+        argv.append("--skip-tokenizer-init")  # token in, token out: the transcript is never re-tokenised
+    if sg.enable_memory_saver:
+        argv.append("--enable-memory-saver")
+    if routing_replay:
+        argv.append("--enable-return-routed-experts")
+    if sg.context_length:
+        argv += ["--context-length", str(sg.context_length)]
+    return argv + list(sg.extra_args)
+
+
+def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None) -> list[ServerProcess]:
+    """Start `rollout.num_engines` SGLang servers and wait for each to be healthy."""
+    sg = cfg.rollout.sglang
+    model_path = model_path or sg.model_path or cfg.model.checkpoint
+    if not model_path:
+        raise EngineError("rollout.sglang.model_path (or model.checkpoint) must name the HF directory to serve")
+    env = dict(os.environ)
+    if cfg.rollout.return_original_logprob:
+        env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    servers = []
+    try:
+        for i in range(cfg.rollout.num_engines):
+            port = sg.base_port + 10 * i  # SGLang takes a few ports after the HTTP one
+            argv = sglang_command(sg, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
+                                  skip_tokenizer_init=sg.skip_tokenizer_init)
+            server = ServerProcess(argv, Path(output_dir) / sg.log_dir / f"server_{i}.log", env)
+            servers.append(server)
+        for i, server in enumerate(servers):
+            server.wait_healthy(f"http://{sg.host}:{sg.base_port + 10 * i}", sg.startup_timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: str | Path,
+                  timeout_s: float = 120.0) -> ServerProcess:
+    """sglang-router in front of several servers (cache-aware routing); its URL speaks the same API."""
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--host", host, "--port", str(port)]
+    router = ServerProcess(argv, log_path)
+    router.wait_healthy(f"http://{host}:{port}", timeout_s)
+    return router
+
+
+def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
+                        timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None) -> ServerProcess:
+    """Start the local CPU engine server (free port) and wait until it is healthy."""
+    port_file = Path(str(log_path) + ".port")
+    port_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
+    argv += ([config] if config else []) + list(overrides) + ["--port", "0", "--port-file", str(port_file)]
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
+    server = ServerProcess(argv, log_path, env)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise EngineError(f"local engine server did not start (log {log_path}):\n{server.log_tail()}")
+        time.sleep(0.1)
+    port = int(port_file.read_text())
+    server.wait_healthy(f"http://127.0.0.1:{port}", max(1.0, deadline - time.monotonic()))
+    return server
