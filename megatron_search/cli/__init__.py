@@ -11,6 +11,7 @@ COMMANDS = [
     "config_cmd",
     "plan_cmd",
     "launch_cmd",
+    "data_cmd",
 ]
 
 

@@ -48,6 +48,14 @@ class SynthConfig(Section):
         return self
 
 
+class SFTDataConfig(Section):
+    """SFT data (RECIPE 2): tool-use trajectories plus preference-oriented examples."""
+
+    seed: int = 0
+    instruction_examples: NonNegativeInt = Field(50, description="instruction-following examples (no search)")
+    abstention_examples: NonNegativeInt = Field(50, description="abstention examples (search finds no evidence)")
+
+
 class DataConfig(Section):
     qa_path: Optional[str] = Field(None, description="verifiable QA JSONL (question, answer, ...)")
     rubric_path: Optional[str] = Field(None, description="rubric chat JSONL (messages, rubrics)")
@@ -58,3 +66,4 @@ class DataConfig(Section):
     seed: int = 0
     world: WorldConfig = Field(default_factory=WorldConfig)
     synth: SynthConfig = Field(default_factory=SynthConfig)
+    sft: SFTDataConfig = Field(default_factory=SFTDataConfig)

@@ -18,3 +18,14 @@ def load_prompt(name: str) -> str:
 
 def load_lines(name: str) -> list[str]:
     return [l for l in load_prompt(name).splitlines() if l.strip()]
+
+
+def load_keyed(name: str) -> dict[str, str]:
+    """A "key<TAB>text" prompt file as {key: text}."""
+    out = {}
+    for i, line in enumerate(load_lines(name), 1):
+        if "\t" not in line:
+            raise ValueError(f"prompts/{name}.txt: line {i} is not 'key<TAB>text': {line[:60]!r}")
+        key, text = line.split("\t", 1)
+        out[key.strip()] = text.strip()
+    return out

@@ -14,7 +14,7 @@ def split_of(key: str, validation_fraction: float) -> str:
     return "validation" if h < validation_fraction else "train"
 
 
-def to_records(verified: list[VerifiedRecord], instructions: list[str], augment_fraction: float,
+def to_records(verified: list[VerifiedRecord], instructions: dict[str, str], augment_fraction: float,
                validation_fraction: float, seed: int) -> list[QARecord]:
     """One record per verified question, plus a format-augmented copy (same answer) for a fraction."""
     rng = random.Random(seed)
@@ -26,6 +26,7 @@ def to_records(verified: list[VerifiedRecord], instructions: list[str], augment_
         base = QARecord(c.id, v.question, [c.answer], "synthetic", split, meta, c.hops, c.claims())
         out.append(base)
         if instructions and rng.random() < augment_fraction:
-            out.append(QARecord(f"{c.id}-fmt", v.question, [c.answer], "synthetic", split, dict(meta),
-                                c.hops, c.claims(), rng.choice(instructions)))
+            key = rng.choice(sorted(instructions))
+            out.append(QARecord(f"{c.id}-fmt", v.question, [c.answer], "synthetic", split, dict(meta, format_key=key),
+                                c.hops, c.claims(), instructions[key]))
     return out

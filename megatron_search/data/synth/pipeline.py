@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ...config.data import SynthConfig
 from ..jsonl import DataError, atomic_write_json, read_jsonl, write_jsonl
-from ..prompts import load_lines
+from ..prompts import load_keyed
 from ..records import QARecord
 from ..world import World
 from .augment import to_records
@@ -108,7 +108,7 @@ class SynthPipeline:
             else:
                 verified, dropped = self._truth(verified)
                 self._save("truth", verified, dropped)
-        records = to_records(verified, load_lines(c.format_prompts), c.augment_fraction, c.validation_fraction, c.seed)
+        records = to_records(verified, load_keyed(c.format_prompts), c.augment_fraction, c.validation_fraction, c.seed)
         self.manifest["records"] = len(records)
         atomic_write_json(self._manifest_path, self.manifest)
         return records

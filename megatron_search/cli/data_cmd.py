@@ -1,0 +1,130 @@
+"""`megatron-search data ...`: build the embedded world, synthetic QA, SFT data, the RL prompt mix,
+public-set conversions and rubric data. Every output is JSONL written atomically; synth and mix resume."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .common import add_config_args, load_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="build RL/SFT data: world, synth, sft, mix, convert, rubrics")
+    dsub = p.add_subparsers(dest="data_command", metavar="STEP")
+    dsub.required = True
+
+    w = dsub.add_parser("world", help="generate the embedded synthetic world (corpus.jsonl + world.json)")
+    add_config_args(w)
+    w.add_argument("--out", required=True, help="output directory")
+    w.set_defaults(func=run_world)
+
+    s = dsub.add_parser("synth", help="synthetic multi-hop QA by sequential expansion (resumable)")
+    add_config_args(s)
+    s.add_argument("--world", help="world directory (corpus + ground truth for the uniqueness check)")
+    s.add_argument("--corpus", help="any corpus JSONL in the world's language (no ground-truth check)")
+    s.add_argument("--work", required=True, help="work directory holding per-stage outputs (resume point)")
+    s.add_argument("--out", required=True, help="QA JSONL output")
+    s.set_defaults(func=run_synth)
+
+    f = dsub.add_parser("sft", help="SFT trajectories with real search_web calls + preference-oriented examples")
+    add_config_args(f)
+    f.add_argument("--world", required=True, help="world directory")
+    f.add_argument("--qa", required=True, help="synthetic QA JSONL (from `data synth`)")
+    f.add_argument("--out", required=True)
+    f.add_argument("--instruction", type=int, default=None, help="instruction-following examples (default: data.sft)")
+    f.add_argument("--abstention", type=int, default=None, help="abstention examples (default: data.sft)")
+    f.set_defaults(func=run_sft)
+
+    m = dsub.add_parser("mix", help="draw RL prompts from the QA / rubric mix (resumable with --state)")
+    add_config_args(m)
+    m.add_argument("--qa", required=True, nargs="+", help="QA JSONL file(s) in the common record schema")
+    m.add_argument("--rubric", nargs="*", default=[], help="rubric chat JSONL file(s)")
+    m.add_argument("-n", "--num", type=int, required=True, help="prompts to draw")
+    m.add_argument("--state", help="sampler state JSON: loaded when present, saved after drawing")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=run_mix)
+
+
+def _progress() -> bool:
+    return sys.stderr.isatty()
+
+
+def run_world(args) -> int:
+    from megatron_search.data.world import build_world
+
+    c = load_from_args(args).data.world
+    world = build_world(c.seed, c.num_entities, c.min_sources, c.single_source_fraction, c.rumor_fraction,
+                        c.filler_docs, progress=_progress())
+    world.save(args.out)
+    print(f"world: {len(world.entities)} entities, {len(world.facts)} facts, {len(world.documents)} documents -> {args.out}")
+    return 0
+
+
+def run_synth(args) -> int:
+    from megatron_search.data.jsonl import write_jsonl
+    from megatron_search.data.synth.pipeline import SynthPipeline
+    from megatron_search.data.world import World
+    from megatron_search.search.local import LocalSearchBackend, read_corpus
+
+    cfg = load_from_args(args).data.synth
+    if bool(args.world) == bool(args.corpus):
+        raise SystemExit("data synth: give exactly one of --world DIR or --corpus FILE")
+    world = World.load(args.world) if args.world else None
+    docs = [asdict(d) for d in world.documents] if world else list(read_corpus(args.corpus))
+    backend = LocalSearchBackend.from_docs(docs, snippet_chars=cfg.snippet_chars)
+    pipe = SynthPipeline(cfg, backend, args.work, world=world, progress=_progress())
+    records = pipe.run()
+    n = write_jsonl(args.out, records)
+    stages = {k: (v["kept"], v["dropped"]) for k, v in pipe.manifest["stages"].items()}
+    print(f"synth: {n} QA records -> {args.out}; kept/dropped per stage: {stages}")
+    return 0
+
+
+def run_sft(args) -> int:
+    from megatron_search.data.jsonl import read_jsonl, write_jsonl
+    from megatron_search.data.records import QARecord
+    from megatron_search.data.sft import SFTBuilder
+    from megatron_search.data.world import World
+    from megatron_search.search.local import LocalSearchBackend
+    from megatron_search.search.tool import SearchTool
+
+    cfg = load_from_args(args)
+    world = World.load(args.world)
+    backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], snippet_chars=cfg.search.snippet_chars)
+    tool = SearchTool(backend, cfg.search.max_results, cfg.search.max_query_chars, cfg.search.max_calls)
+    records = [QARecord.from_dict(r, f"{args.qa}:{i}") for i, r in enumerate(read_jsonl(args.qa), 1)]
+    builder = SFTBuilder(tool, world, cfg.data.sft.seed)
+    n_instr = cfg.data.sft.instruction_examples if args.instruction is None else args.instruction
+    n_abst = cfg.data.sft.abstention_examples if args.abstention is None else args.abstention
+    examples = builder.build(records, n_instr, n_abst, progress=_progress())
+    n = write_jsonl(args.out, examples)
+    print(f"sft: {n} examples -> {args.out} ({len(builder.dropped)} trajectories dropped)")
+    return 0
+
+
+def run_mix(args) -> int:
+    from megatron_search.data.jsonl import atomic_write_json, read_jsonl, write_jsonl
+    from megatron_search.data.mix import MixSampler, qa_item, rubric_item
+    from megatron_search.data.records import QARecord
+
+    cfg = load_from_args(args).data
+    qa = [qa_item(QARecord.from_dict(r, f"{p}:{i}")) for p in args.qa for i, r in enumerate(read_jsonl(p), 1)]
+    rubric = [rubric_item(r) for p in args.rubric for r in read_jsonl(p)]
+    datasets = {"qa": qa, "rubric": rubric}
+    weights = {k: v for k, v in cfg.mix.items() if datasets.get(k) or v > 0}
+    if not rubric and weights.get("rubric", 0) > 0:
+        print("mix: no rubric data given; drawing QA only", file=sys.stderr)
+        weights["rubric"] = 0.0
+    sampler = MixSampler(datasets, weights, cfg.seed)
+    if args.state and Path(args.state).exists():
+        sampler.load_state_dict(json.loads(Path(args.state).read_text()))
+    items = sampler.take(args.num)
+    write_jsonl(args.out, items)
+    if args.state:
+        atomic_write_json(args.state, sampler.state_dict())
+    counts = {k: sum(1 for it in items if it.dataset == k) for k in datasets}
+    print(f"mix: {len(items)} prompts -> {args.out} {counts}; sampler at step {sampler.step}")
+    return 0
