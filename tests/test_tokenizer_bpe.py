@@ -1,0 +1,58 @@
+"""The tiny demo tokenizer: a byte-level BPE trained with `tokenizers`, vocab <= 2048, chat tokens."""
+import random
+
+import pytest
+
+from megatron_search.rollout.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEXT_TOKENS, BPETokenizer, load_tokenizer
+
+WORDS = ("river city capital founded author book startup accelerator launched cohort question answer search "
+         "result museum painter novel physicist prize award mountain island language population").split()
+
+
+def corpus(n=3000, seed=0):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + f" in {rng.randint(1800, 2025)}."
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return BPETokenizer.train(corpus(), vocab_size=2048)
+
+
+def test_vocab_and_chat_token_ids(tok):
+    assert tok.vocab_size <= 2048
+    expected = {t: i for i, t in enumerate(CHAT_SPECIAL_TOKENS + CHAT_TEXT_TOKENS)}
+    assert {t: tok.token_to_id(t) for t in expected} == expected
+    assert (tok.pad_id, tok.im_start_id, tok.im_end_id) == (0, 1, 2)
+    assert tok.encode("<|im_start|>assistant\n<tool_call>") [0] == 1
+    assert tok.encode("</think>") == [expected["</think>"]]
+
+
+def test_round_trip_on_unseen_text(tok):
+    # Byte-level: any text round-trips, including characters never seen in training.
+    for text in ["river city founded in 1850.", "Ångström 🚀 中文 <|im_end|>\n", "  spaces\tand\nlines  "]:
+        assert tok.decode(tok.encode(text)) == text
+    # Frequent words compress: training did merge.
+    assert len(tok.encode(" accelerator")) == 1
+    assert tok.decode([1, 5, 2], skip_special_tokens=True) == "<tool_response>"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([tok.vocab_size])
+
+
+def test_save_load_and_hf(tok, tmp_path):
+    path = tok.save(tmp_path / "tiny")
+    assert path == tmp_path / "tiny" / "tokenizer.json" and path.is_file()
+    again = load_tokenizer(str(tmp_path / "tiny"))
+    text = "<|im_start|>user\nwhich painter won the prize in 1901?<|im_end|>\n"
+    assert again.encode(text) == tok.encode(text)
+    hf = tok.to_hf()
+    assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    assert hf.eos_token_id == tok.im_end_id
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        BPETokenizer.train(["a b c"], vocab_size=100)
+    with pytest.raises(FileNotFoundError):
+        BPETokenizer.load("/nonexistent/tokenizer.json")
