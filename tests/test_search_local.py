@@ -81,3 +81,14 @@ def test_snippet_centres_on_the_first_query_term():
     assert "needle" in snip and snip.startswith("...") and snip.endswith("...")
     assert make_snippet("short text", {"x"}, 60) == "short text"
     assert make_snippet(text, {"absent"}, 30).startswith("alpha")
+
+
+def test_build_index_cli(tmp_path, capsys):
+    from megatron_search.cli import main
+
+    corpus = write_corpus(tmp_path / "c.jsonl", DOCS)
+    rc = main(["build-index", "--corpus", str(corpus), "--index-dir", str(tmp_path / "idx"), "--query", "Seine river"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "indexed 4 documents" in out and "[1] Seine <https://example.org/seine> (seine)" in out
+    assert main(["build-index", "--corpus", str(tmp_path / "missing.jsonl"), "--index-dir", str(tmp_path / "x")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err

@@ -12,6 +12,7 @@ COMMANDS = [
     "plan_cmd",
     "launch_cmd",
     "data_cmd",
+    "index_cmd",
 ]
 
 
