@@ -68,6 +68,9 @@ class RolloutConfig(Section):
     engine_urls: list[str] = Field(default_factory=list, description="already running engines (disaggregated)")
     max_new_tokens: PositiveInt = Field(1024, description="per assistant turn during training")
     max_total_tokens: PositiveInt = Field(8192, description="whole transcript budget")
+    max_turns: PositiveInt = Field(
+        16, description="assistant turns per rollout (ours; ends a policy that keeps calling past its tool budget)"
+    )
     temperature: NonNegativeFloat = 1.0
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     concurrency: PositiveInt = 64
