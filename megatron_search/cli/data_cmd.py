@@ -12,7 +12,7 @@ from .common import add_config_args, load_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="build RL/SFT data: world, synth, sft, mix, convert, rubrics")
+    p = sub.add_parser("data", help="build RL/SFT data: world, synth, sft, mix, convert")
     dsub = p.add_subparsers(dest="data_command", metavar="STEP")
     dsub.required = True
 
@@ -46,6 +46,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--state", help="sampler state JSON: loaded when present, saved after drawing")
     m.add_argument("--out", required=True)
     m.set_defaults(func=run_mix)
+
+    c = dsub.add_parser("convert", help="public QA sets -> common record schema, quality-filtered")
+    add_config_args(c)
+    c.add_argument("--input", nargs="+", required=True, metavar="SOURCE=PATH",
+                   help="training files, e.g. deepdive=dd.parquet bamboogle=bamboogle.csv")
+    c.add_argument("--eval", nargs="*", default=[], metavar="SOURCE=PATH",
+                   help="evaluation files (simpleqa=..., frames=...): their questions are removed from training")
+    c.add_argument("--out", required=True, help="converted, filtered training records (JSONL)")
+    c.add_argument("--eval-out", help="also write the converted evaluation records here")
+    c.add_argument("--synthetic", help="synthetic QA JSONL to match to the public mix's scale")
+    c.add_argument("--synthetic-out", help="where the scale-matched synthetic sample goes")
+    c.set_defaults(func=run_convert)
 
 
 def _progress() -> bool:
@@ -127,4 +139,42 @@ def run_mix(args) -> int:
         atomic_write_json(args.state, sampler.state_dict())
     counts = {k: sum(1 for it in items if it.dataset == k) for k in datasets}
     print(f"mix: {len(items)} prompts -> {args.out} {counts}; sampler at step {sampler.step}")
+    return 0
+
+
+def _pairs(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"data convert: expected SOURCE=PATH, got {it!r}")
+        src, path = it.split("=", 1)
+        out.append((src.strip().lower(), path))
+    return out
+
+
+def run_convert(args) -> int:
+    from megatron_search.data.jsonl import SkipCounter, read_jsonl, write_jsonl
+    from megatron_search.data.public import FilterReport, convert_file, match_scale, quality_filter
+    from megatron_search.data.records import QARecord
+
+    cfg = load_from_args(args).data.convert
+    skips = SkipCounter()
+    train = [r for src, p in _pairs(args.input) for r in convert_file(src, p, cfg.on_error, skips)]
+    evals = [r for src, p in _pairs(args.eval) for r in convert_file(src, p, cfg.on_error, skips)]
+    report = FilterReport()
+    kept = quality_filter(train, evals, cfg.max_answer_chars, report)
+    write_jsonl(args.out, kept)
+    if args.eval_out:
+        write_jsonl(args.eval_out, evals)
+    print(f"convert: {len(kept)} training records -> {args.out}; dropped {report.dropped}; "
+          f"bad rows skipped: {skips.skipped}")
+    for reason in skips.reasons:
+        print(f"  skipped {reason}", file=sys.stderr)
+    if args.synthetic:
+        if not args.synthetic_out:
+            raise SystemExit("data convert: --synthetic needs --synthetic-out")
+        syn = [QARecord.from_dict(r, f"{args.synthetic}:{i}") for i, r in enumerate(read_jsonl(args.synthetic), 1)]
+        sample = match_scale(syn, len(kept), cfg.seed)
+        write_jsonl(args.synthetic_out, sample)
+        print(f"convert: {len(sample)} synthetic records (scale-matched) -> {args.synthetic_out}")
     return 0

@@ -56,6 +56,14 @@ class SFTDataConfig(Section):
     abstention_examples: NonNegativeInt = Field(50, description="abstention examples (search finds no evidence)")
 
 
+class ConvertConfig(Section):
+    """Public QA converters and quality filters (RECIPE 4.1 public baseline)."""
+
+    on_error: Literal["raise", "skip"] = Field("raise", description="bad rows: error naming file and line, or skip and count")
+    max_answer_chars: PositiveInt = Field(200, description="longer gold answers are dropped (not short-answer QA)")
+    seed: int = Field(0, description="seed of the synthetic scale-matching sample")
+
+
 class DataConfig(Section):
     qa_path: Optional[str] = Field(None, description="verifiable QA JSONL (question, answer, ...)")
     rubric_path: Optional[str] = Field(None, description="rubric chat JSONL (messages, rubrics)")
@@ -67,3 +75,4 @@ class DataConfig(Section):
     world: WorldConfig = Field(default_factory=WorldConfig)
     synth: SynthConfig = Field(default_factory=SynthConfig)
     sft: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    convert: ConvertConfig = Field(default_factory=ConvertConfig)
