@@ -162,3 +162,25 @@ def test_bad_inputs_are_named(fn):
         fn(lt, li, adv, m, aggregation="sum")
     with pytest.raises(ValueError, match="is_cap: must be > 0"):
         fn(lt, li, adv, m, is_cap=0.0)
+
+
+def test_bf16_logprobs_are_computed_in_fp32():
+    lt = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16, requires_grad=True)
+    li = torch.tensor([[-1.0, -2.015625]], dtype=torch.bfloat16)  # one bf16 step (2^-6) below -2
+    loss, met = token_is_loss(lt, li, torch.tensor([1.0]), torch.tensor([[1, 1]]), aggregation="token_mean")
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(-(1 + E(0.015625)) / 2, rel=1e-6)
+    (g,) = torch.autograd.grad(loss, lt)
+    assert g.dtype == torch.bfloat16
+
+
+def test_registered_losses_share_one_signature():
+    import inspect
+
+    sigs = {name: inspect.signature(get_policy_loss(name)) for name in policy_loss_names()}
+    ref = sigs["token_is"]
+    for name, sig in sigs.items():
+        assert list(sig.parameters)[:4] == ["logp_train", "logp_infer", "advantages", "mask"], name
+        assert [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY] == [
+            p for p in ref.parameters.values() if p.kind is p.KEYWORD_ONLY
+        ], name

@@ -109,6 +109,17 @@ def _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_e
     return m
 
 
+def _upcast(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, logp_old: Optional[Tensor]):
+    """Ratios and exp() in at least fp32: bf16 logprobs would make exp(d) ~1e-2 coarse."""
+    dt = torch.promote_types(logp_train.dtype, torch.float32)
+    return (
+        logp_train.to(dt),
+        logp_infer.to(dt),
+        advantages.to(dt),
+        None if logp_old is None else logp_old.to(dt),
+    )
+
+
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Optional[float] = None) -> Tensor:
     """Reduce per-token objective values [B, T] (0 off the mask) to a scalar (see module docstring)."""
     if aggregation == "token_mean":
@@ -155,6 +166,7 @@ def token_is_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level IS policy loss (module docstring); returns (loss, metrics)."""
     m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
     zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
     # where() before any arithmetic: off-mask garbage (NaN, -inf) never reaches values or gradients.
     lp = torch.where(m, logp_train, zero)
@@ -192,6 +204,7 @@ def sequence_is_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level (GSPO-style, geometric-mean) IS policy loss (module docstring); returns (loss, metrics)."""
     m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
     zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
     lp = torch.where(m, logp_train, zero)
     lp_infer = torch.where(m, logp_infer.detach(), zero)
