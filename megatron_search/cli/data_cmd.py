@@ -12,7 +12,7 @@ from .common import add_config_args, load_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="build RL/SFT data: world, synth, sft, mix, convert")
+    p = sub.add_parser("data", help="build RL/SFT data: world, synth, sft, mix, convert, rubrics")
     dsub = p.add_subparsers(dest="data_command", metavar="STEP")
     dsub.required = True
 
@@ -58,6 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--synthetic", help="synthetic QA JSONL to match to the public mix's scale")
     c.add_argument("--synthetic-out", help="where the scale-matched synthetic sample goes")
     c.set_defaults(func=run_convert)
+
+    r = dsub.add_parser("rubrics", help="rubric chat data: generate, validate, sample x4, judge, pass@4 filter")
+    add_config_args(r)
+    r.add_argument("--input", required=True, help="chat JSONL rows {id, messages[, rubrics]}")
+    r.add_argument("--out", required=True, help="kept prompts with rubrics (JSONL)")
+    r.add_argument("--dropped", help="dropped prompts with stage and reason (JSONL)")
+    r.set_defaults(func=run_rubrics)
 
 
 def _progress() -> bool:
@@ -177,4 +184,40 @@ def run_convert(args) -> int:
         sample = match_scale(syn, len(kept), cfg.seed)
         write_jsonl(args.synthetic_out, sample)
         print(f"convert: {len(sample)} synthetic records (scale-matched) -> {args.synthetic_out}")
+    return 0
+
+
+def run_rubrics(args) -> int:
+    import asyncio
+
+    from megatron_search.data.jsonl import read_jsonl, write_jsonl
+    from megatron_search.data.llm_client import LLMClient
+    from megatron_search.data.rubrics import RubricPipeline, item_from_row
+
+    cfg = load_from_args(args).data
+    items = [item_from_row(row, f"{args.input}:{i}") for i, row in enumerate(read_jsonl(args.input), 1)]
+    rc = cfg.rubric
+
+    async def go():
+        llm = LLMClient.from_config(cfg.llm)
+        policy = llm
+        if rc.policy_base_url:
+            policy = LLMClient(rc.policy_base_url, rc.policy_model or cfg.llm.model, cfg.llm.api_key_env,
+                               cfg.llm.concurrency, cfg.llm.timeout_s, cfg.llm.retries, cfg.llm.backoff_s, cfg.llm.cache_dir)
+        try:
+            pipe = RubricPipeline(llm, llm, policy, rc.samples, rc.sample_temperature, rc.max_tokens,
+                                  rc.prompt_version, rc.max_rubric_chars)
+            return await pipe.run(items, progress=_progress())
+        finally:
+            await llm.close()
+            await policy.close()
+
+    kept, dropped = asyncio.run(go())
+    write_jsonl(args.out, kept)
+    if args.dropped:
+        write_jsonl(args.dropped, (vars(d) for d in dropped))
+    reasons: dict[str, int] = {}
+    for d in dropped:
+        reasons[d.stage] = reasons.get(d.stage, 0) + 1
+    print(f"rubrics: {len(kept)} prompts kept -> {args.out}; dropped by stage {reasons}")
     return 0

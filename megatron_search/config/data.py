@@ -64,6 +64,31 @@ class ConvertConfig(Section):
     seed: int = Field(0, description="seed of the synthetic scale-matching sample")
 
 
+class LLMConfig(Section):
+    """OpenAI-compatible endpoint for data work (data/llm_client.py): SGLang, the local engine, any API."""
+
+    base_url: str = Field("http://127.0.0.1:30000", description="server root; /v1/chat/completions is appended")
+    model: str = Field("default", description="model name sent in each request")
+    api_key_env: Optional[str] = Field(None, description="environment variable holding the API key (never logged)")
+    concurrency: PositiveInt = Field(8, description="requests in flight at once")
+    timeout_s: PositiveFloat = Field(120.0, description="per request")
+    retries: NonNegativeInt = Field(3, description="retries on connection errors, timeouts, 429 and 5xx")
+    backoff_s: NonNegativeFloat = Field(1.0, description="first retry delay; doubles each retry")
+    cache_dir: Optional[str] = Field(None, description="on-disk response cache (None: no cache)")
+
+
+class RubricConfig(Section):
+    """Rubric chat data (RECIPE 4.2)."""
+
+    samples: PositiveInt = Field(4, description="independent policy samples for the pass@k calibration (RECIPE: 4)")
+    sample_temperature: NonNegativeFloat = Field(0.6, description="policy sampling temperature (RECIPE 8 default)")
+    max_tokens: PositiveInt = Field(1024, description="per generated reply")
+    prompt_version: str = Field("v1", description="suffix of the versioned prompt files in data/prompts/")
+    max_rubric_chars: PositiveInt = Field(300, description="longer rubrics are rejected as non-atomic")
+    policy_base_url: Optional[str] = Field(None, description="endpoint serving the policy to calibrate (default: data.llm)")
+    policy_model: Optional[str] = None
+
+
 class DataConfig(Section):
     qa_path: Optional[str] = Field(None, description="verifiable QA JSONL (question, answer, ...)")
     rubric_path: Optional[str] = Field(None, description="rubric chat JSONL (messages, rubrics)")
@@ -76,3 +101,5 @@ class DataConfig(Section):
     synth: SynthConfig = Field(default_factory=SynthConfig)
     sft: SFTDataConfig = Field(default_factory=SFTDataConfig)
     convert: ConvertConfig = Field(default_factory=ConvertConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    rubric: RubricConfig = Field(default_factory=RubricConfig)
