@@ -21,7 +21,8 @@ Rather than editing call sites one by one, each loaded `megatron.core.*` module 
 Every other attribute is the real torch object, so tensors, autograd and torch.distributed are
 untouched. Two functions are replaced outright: the tracker's `_get/_set_cuda_rng_state` (they
 reach into `torch.cuda.default_generators`), and `moe_utils.te_general_gemm`, which is left
-undefined when Transformer Engine is missing although the router still tests it against None.
+undefined when Transformer Engine is missing although the router still tests it against None,
+and the optimizer's `clip_grad_by_total_norm_fp32`, which asserts that gradients are CUDA tensors.
 
 Modules are rebound when `enable_cpu_compat()` runs; it imports the Megatron modules a training
 step uses first. Call it before building models (init_distributed does).
@@ -59,6 +60,7 @@ _MODULES_TO_LOAD = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor")
 
@@ -174,6 +176,23 @@ def _set_rng_state_cpu(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor';
+    same operation (scale fp32 grads in place by max_norm / total_norm when < 1) with a dtype check."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            if grad.dtype not in (torch.float32, torch.bfloat16) or (not use_decoupled_grad and grad.dtype != torch.float32):
+                raise TypeError(f"clip_grad_by_total_norm_fp32: gradient of dtype {grad.dtype}, expected float32")
+            grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 class _DropCpuRngWarning(logging.Filter):
     # On CPU the "CUDA" RNG *is* the CPU generator, so the tracker's check that forked code left the
     # CPU RNG alone always fires; the fork still restores the state correctly.
@@ -214,6 +233,10 @@ def enable_cpu_compat() -> bool:
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    for modname in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        mod = sys.modules.get(modname)
+        if mod is not None and hasattr(mod, "clip_grad_by_total_norm_fp32"):
+            mod.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     _ENABLED = True
     return True
 

@@ -1,0 +1,164 @@
+"""One Megatron training step on any layout: DDP wrapping, the optimizer, forward/backward.
+
+The smallest complete path through Megatron-Core that a trainer needs: model chunks wrapped in
+Megatron DDP (gradient buffers, DP/EP grad reduction, TP/SP norm-grad all-reduce via
+finalize_model_grads), Megatron's optimizer (global grad norm across TP/PP/EP, clipping), and the
+pipeline schedule from `get_forward_backward_func` (1F1B when PP > 1). The loss is a callable
+on the model output so SFT / GRPO losses plug in; the default is token-mean cross entropy.
+
+Each DP rank gets its slice of the global batch; microbatches are equal-sized so the mean of
+per-microbatch means is the global token mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Batch:
+    """Token ids [B, S] and next-token labels [B, S]; optional loss mask [B, S] (1 = counted)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        mask = None if self.loss_mask is None else self.loss_mask[start:stop]
+        return Batch(self.tokens[start:stop], self.labels[start:stop], mask)
+
+
+def wrap_ddp(cfg, chunks: list, config) -> list:
+    """Megatron DDP around each chunk and the TransformerConfig hooks the schedules call."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer_enabled(cfg),
+        check_for_nan_in_grad=True,
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped
+
+
+def distributed_optimizer_enabled(cfg) -> bool:
+    # gloo has no reduce_scatter, which the distributed optimizer's grad reduction needs.
+    return bool(cfg.parallel.distributed_optimizer) and torch.cuda.is_available()
+
+
+def make_optimizer(cfg, ddp_chunks: list):
+    """Megatron Adam from cfg.optim (separate expert / dense groups, grad clipping, fp32 master if bf16)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o, m = cfg.optim, cfg.model
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=m.params_dtype == "bfloat16",
+        fp16=m.params_dtype == "float16",
+        params_dtype=getattr(torch, m.params_dtype),
+        use_distributed_optimizer=distributed_optimizer_enabled(cfg),
+    )
+    return get_megatron_optimizer(ocfg, ddp_chunks)
+
+
+def token_mean_ce(output: torch.Tensor, batch: Batch):
+    """GPTModel with labels returns per-token CE [B, S]; average over counted tokens."""
+    losses = output.float()
+    if batch.loss_mask is None:
+        loss = losses.mean()
+    else:
+        mask = batch.loss_mask.float()
+        loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    # clone: the schedule divides the returned loss in place by the number of microbatches.
+    return loss, {"loss": loss.detach().clone()}
+
+
+def forward_backward(
+    chunks: list,
+    microbatches: Iterable[Batch],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    loss_fn: Callable = token_mean_ce,
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run Megatron's schedule over the microbatches; returns the last stage's loss dicts."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        b: Batch = next(data_iterator)
+        s = b.tokens.shape[1]
+        position_ids = torch.arange(s, device=b.tokens.device).unsqueeze(0).expand_as(b.tokens)
+        output = model(b.tokens, position_ids, None, labels=b.labels)
+        return output, partial(loss_fn, batch=b)
+
+    items = list(microbatches)
+    iterators = iter(items) if len(chunks) == 1 else [iter(items) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int,
+               loss_fn: Callable = token_mean_ce) -> tuple[float, float]:
+    """One optimizer step on this DP rank's `batch`; returns (global mean loss, global grad norm).
+
+    The loss is averaged over microbatches, then over DP ranks (identical on every rank).
+    """
+    from megatron.core import parallel_state as ps
+
+    for m in ddp_chunks:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    n = batch.tokens.shape[0]
+    if n % micro_batch_size:
+        raise ValueError(f"train_step: batch of {n} sequences is not a multiple of micro_batch_size={micro_batch_size}")
+    num_mb = n // micro_batch_size
+    mbs = [batch.slice(i * micro_batch_size, (i + 1) * micro_batch_size) for i in range(num_mb)]
+    out = forward_backward(ddp_chunks, mbs, num_mb, batch.tokens.shape[1], micro_batch_size, loss_fn)
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped (non-finite gradients)")
+    loss = torch.zeros((), dtype=torch.float64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        loss += sum(float(d["loss"]) for d in out) / num_mb
+    # Every rank reports the same value: average over DP on the last stage, then share across PP.
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    loss /= ps.get_data_parallel_world_size()
+    dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    return float(loss), float(grad_norm)
+
+
+def data_parallel_slice(batch: Batch) -> Batch:
+    """This DP rank's contiguous share of a global batch (same on every TP/PP/CP rank of it)."""
+    from megatron.core import parallel_state as ps
+
+    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    n = batch.tokens.shape[0]
+    if n % dp:
+        raise ValueError(f"global batch of {n} sequences is not divisible by data-parallel size {dp}")
+    per = n // dp
+    return batch.slice(r * per, (r + 1) * per)

@@ -1,0 +1,115 @@
+"""Multi-process equivalence harness: the same weights give the same loss and global grad norm
+at 1 process and on 2 gloo processes with TP=2 (sequence parallel), EP=2 and PP=2 (1F1B).
+
+Flow: a 1-process spawn builds each architecture's model, saves its full weights and records
+(loss, grad norm) of one Megatron optimizer step on a fixed batch; then one 2-process spawn runs
+every architecture x layout in turn, loading the full weights resharded by slicing (models/reshard.py) and
+recording the same two numbers. Add an architecture with one line in ARCHITECTURES.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = {
+    "tiny_qwen3_moe": "configs/models/tiny_qwen3_moe",
+    "tiny_qwen3_5_moe": "configs/models/tiny_qwen3_5_moe",
+}
+LAYOUTS = {
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "ep2": ["parallel.ep=2"],
+    "pp2": ["parallel.pp=2"],
+}
+GLOBAL_BATCH, SEQ_LEN = 4, 16
+MICRO_BATCH = {"reference": 4, "tp2_sp": 2, "ep2": 1, "pp2": 1}  # PP runs 4 microbatches through 1F1B
+DATA_SEED = 1234
+
+
+def _config(arch: str, layout: list[str], world: int):
+    from megatron_search.config import load_config
+
+    return load_config(None, [f"model.hf_config={ARCHITECTURES[arch]}", f"parallel.world_size={world}",
+                              "optim.lr=1e-4", *layout])
+
+
+def _batch():
+    from megatron_search.distributed.step import Batch
+
+    g = torch.Generator().manual_seed(DATA_SEED)
+    tokens = torch.randint(0, 2048, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def _one_step(cfg, full_state: dict | None, micro_batch: int) -> tuple[float, float, dict | None]:
+    from megatron_search.distributed.step import data_parallel_slice, make_optimizer, train_step, wrap_ddp
+    from megatron_search.models import reshard
+    from megatron_search.models.provider import architecture_module, build_model_chunks
+
+    chunks = build_model_chunks(cfg)
+    saved = None
+    if full_state is None:
+        saved = reshard.full_state(chunks[0])
+    else:
+        module = architecture_module(cfg)[0]
+        for v, chunk in enumerate(chunks):
+            reshard.load_full_state(chunk, full_state, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
+                                    tp_slice=getattr(module, "tp_slice", None))
+    ddp = wrap_ddp(cfg, chunks, chunks[0].config)
+    optimizer = make_optimizer(cfg, ddp)
+    loss, grad_norm = train_step(ddp, optimizer, data_parallel_slice(_batch()), micro_batch)
+    return loss, grad_norm, saved
+
+
+def reference_worker(rank: int, world: int, port: int, archs: list[str], out: str) -> None:
+    """1 process, per architecture: build, save full weights, one step."""
+    from megatron_search.distributed import DistEnv, init_distributed
+
+    for arch in archs:
+        cfg = _config(arch, [], 1)
+        ctx = init_distributed(cfg, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
+        loss, grad_norm, saved = _one_step(cfg, None, MICRO_BATCH["reference"])
+        torch.save(saved, Path(out) / f"{arch}_full.pt")
+        (Path(out) / f"{arch}_reference.json").write_text(json.dumps({"loss": loss, "grad_norm": grad_norm}))
+        ctx.teardown()
+
+
+def layouts_worker(rank: int, world: int, port: int, archs: list[str], out: str) -> None:
+    """2 processes: every architecture x layout on one process group, same weights and batch."""
+    import torch.distributed as dist
+
+    from megatron_search.distributed import DistEnv, init_distributed
+
+    env = DistEnv(rank, world, rank, "127.0.0.1", port, "torchrun")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for arch in archs:
+        full = torch.load(Path(out) / f"{arch}_full.pt")
+        results = {}
+        for name, overrides in LAYOUTS.items():
+            cfg = _config(arch, overrides, world)
+            ctx = init_distributed(cfg, env=env)  # reuses the group, re-creates Megatron's groups
+            loss, grad_norm, _ = _one_step(cfg, full, MICRO_BATCH[name])
+            results[name] = {"loss": loss, "grad_norm": grad_norm}
+            ctx.teardown()
+        (Path(out) / f"{arch}_layouts_rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_architectures(archs: list[str], out: Path) -> dict:
+    """Reference + all layouts for each arch (two spawns in all, to pay Megatron's import once each).
+
+    Returns {arch: {'reference': {...}, 'layouts': [rank0 {layout: {...}}, rank1 {...}]}}.
+    """
+    from _mp import run_spawned
+
+    out.mkdir(parents=True, exist_ok=True)
+    run_spawned(reference_worker, 1, list(archs), str(out))
+    run_spawned(layouts_worker, 2, list(archs), str(out))
+    return {
+        arch: {
+            "reference": json.loads((out / f"{arch}_reference.json").read_text()),
+            "layouts": [json.loads((out / f"{arch}_layouts_rank{r}.json").read_text()) for r in range(2)],
+        }
+        for arch in archs
+    }
