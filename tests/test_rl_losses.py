@@ -162,6 +162,8 @@ def test_bad_inputs_are_named(fn):
         fn(lt, li, adv, m, aggregation="sum")
     with pytest.raises(ValueError, match="is_cap: must be > 0"):
         fn(lt, li, adv, m, is_cap=0.0)
+    with pytest.raises(ValueError, match="norm_tokens: must be > 0"):
+        fn(lt, li, adv, m, aggregation="seq_mean_token_sum_norm", norm_tokens=0)
 
 
 def test_bf16_logprobs_are_computed_in_fp32():
@@ -184,3 +186,17 @@ def test_registered_losses_share_one_signature():
         assert [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY] == [
             p for p in ref.parameters.values() if p.kind is p.KEYWORD_ONLY
         ], name
+
+
+def test_dr_grpo_sum_norm_aggregation_by_hand():
+    lt, li, adv, m = batch()
+    loss, _ = token_is_loss(lt, li, adv, m, aggregation="seq_mean_token_sum_norm")
+    # token sums per rollout divided by the padded width T = 3, then the mean over the 2 rollouts
+    want = -0.5 * ((2 * E(0.1) + 2 * E(-0.2)) / 3 + (-1 - E(-0.2)) / 3)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    loss8, _ = token_is_loss(lt, li, adv, m, aggregation="seq_mean_token_sum_norm", norm_tokens=8)
+    assert loss8.item() == pytest.approx(want * 3 / 8, rel=1e-12)
+    assert float(grad_of(loss8, lt)[0, 0]) == pytest.approx(-0.5 * 2 * E(0.1) / 8, rel=1e-12)
+    cfg = load_config(None, ["grpo.loss_aggregation=seq_mean_token_sum_norm", "grpo.loss_norm_tokens=8"])
+    loss_cfg, _ = build_policy_loss(cfg.grpo)(lt, li, adv, m)
+    assert loss_cfg.item() == pytest.approx(want * 3 / 8, rel=1e-12)

@@ -27,7 +27,12 @@ class GRPOConfig(Section):
     is_cap: Optional[PositiveFloat] = Field(None, description="truncated IS: cap C on the IS weight; None = off")
     clip_eps_low: NonNegativeFloat = Field(0.2, description="PPO clip (only with updates_per_batch > 1)")
     clip_eps_high: NonNegativeFloat = 0.2
-    loss_aggregation: Literal["seq_mean_token_mean", "token_mean"] = Field(
-        "seq_mean_token_mean", description="recipe default: mean over tokens of each sequence, then over sequences"
+    loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = Field(
+        "seq_mean_token_mean",
+        description="RECIPE 3 default: mean over tokens of each sequence, then over sequences; alternatives: "
+        "token mean over the batch, or Dr. GRPO's token sum / constant loss_norm_tokens",
+    )
+    loss_norm_tokens: Optional[PositiveInt] = Field(
+        None, description="constant L_norm of seq_mean_token_sum_norm (e.g. the generation limit); None = padded width"
     )
     routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")

@@ -33,6 +33,8 @@ broadcast to every masked token of rollout i.
 The loss is -aggregate(o):
     seq_mean_token_mean:  1/N_seq * sum_i 1/|o_i| * sum_t o_t   (the recipe's objective)
     token_mean:           1/N_tok * sum_{i,t} o_t
+    seq_mean_token_sum_norm: 1/N_seq * sum_i 1/L_norm * sum_t o_t   (Dr. GRPO: a constant L_norm,
+                          `norm_tokens`, default the padded width T, so long rollouts are not down-weighted)
 N_seq counts the rollouts with at least one masked token and N_tok the masked tokens, unless a
 `denominator` is passed (for gradient accumulation over micro-batches: pass the global count).
 
@@ -54,8 +56,8 @@ from torch import Tensor
 
 from .registry import register_policy_loss
 
-Aggregation = Literal["seq_mean_token_mean", "token_mean"]
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
+Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 
 
 def _bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
@@ -83,7 +85,9 @@ def _check_logp(name: str, x: Tensor, shape: torch.Size, mask: Tensor) -> Tensor
     return x
 
 
-def _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation):
+def _validate(
+    logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+):
     if not isinstance(logp_train, Tensor) or logp_train.dim() != 2:
         raise ValueError(f"logp_train: expected a [B, T] tensor, got {getattr(logp_train, 'shape', type(logp_train))}")
     shape = logp_train.shape
@@ -104,6 +108,8 @@ def _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_e
         raise ValueError(f"clip range: need 0 <= eps_low < 1 and eps_high >= 0, got {clip_eps_low}, {clip_eps_high}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation: {aggregation!r} is not one of {AGGREGATIONS}")
+    if norm_tokens is not None and not norm_tokens > 0:
+        raise ValueError(f"norm_tokens: must be > 0 or None, got {norm_tokens}")
     if not m.any():
         raise ValueError("mask: selects no tokens, the loss is undefined (drop empty micro-batches)")
     return m
@@ -120,13 +126,22 @@ def _upcast(logp_train: Tensor, logp_infer: Tensor, advantages: Tensor, logp_old
     )
 
 
-def aggregate(per_token: Tensor, mask: Tensor, aggregation: Aggregation, denominator: Optional[float] = None) -> Tensor:
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: Aggregation,
+    denominator: Optional[float] = None,
+    norm_tokens: Optional[int] = None,
+) -> Tensor:
     """Reduce per-token objective values [B, T] (0 off the mask) to a scalar (see module docstring)."""
     if aggregation == "token_mean":
         n = mask.sum() if denominator is None else denominator
         return per_token.sum() / n
     n_tok = mask.sum(-1)
-    per_seq = per_token.sum(-1) / n_tok.clamp(min=1)
+    if aggregation == "seq_mean_token_sum_norm":
+        per_seq = per_token.sum(-1) / (mask.shape[-1] if norm_tokens is None else norm_tokens)
+    else:
+        per_seq = per_token.sum(-1) / n_tok.clamp(min=1)
     n = (n_tok > 0).sum() if denominator is None else denominator
     return per_seq.sum() / n
 
@@ -163,9 +178,12 @@ def token_is_loss(
     clip_eps_high: float = 0.2,
     aggregation: Aggregation = "seq_mean_token_mean",
     denominator: Optional[float] = None,
+    norm_tokens: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level IS policy loss (module docstring); returns (loss, metrics)."""
-    m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    m = _validate(
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+    )
     logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
     zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
     # where() before any arithmetic: off-mask garbage (NaN, -inf) never reaches values or gradients.
@@ -178,7 +196,7 @@ def token_is_loss(
     rho_plain = torch.exp(lp - lp.detach())
     obj, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach()[:, None], clip_eps_low, clip_eps_high)
     obj = torch.where(m, obj, zero)
-    loss = -aggregate(obj, m, aggregation, denominator)
+    loss = -aggregate(obj, m, aggregation, denominator, norm_tokens)
     metrics = _stats("is_weight", w[m])
     metrics["is_truncated_frac"] = (w[m] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[m].float().mean()
@@ -201,9 +219,12 @@ def sequence_is_loss(
     clip_eps_high: float = 0.2,
     aggregation: Aggregation = "seq_mean_token_mean",
     denominator: Optional[float] = None,
+    norm_tokens: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level (GSPO-style, geometric-mean) IS policy loss (module docstring); returns (loss, metrics)."""
-    m = _validate(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation)
+    m = _validate(
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+    )
     logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
     zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
     lp = torch.where(m, logp_train, zero)
@@ -221,7 +242,7 @@ def sequence_is_loss(
     rho_plain = torch.exp(seq_mean(lp - lp.detach()))
     obj_seq, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach(), clip_eps_low, clip_eps_high)
     obj = torch.where(m, obj_seq[:, None].expand_as(lp), zero)
-    loss = -aggregate(obj, m, aggregation, denominator)
+    loss = -aggregate(obj, m, aggregation, denominator, norm_tokens)
     metrics = _stats("is_weight", w[seq])
     metrics["is_truncated_frac"] = (w[seq] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[seq].float().mean()

@@ -57,4 +57,5 @@ def build_policy_loss(grpo) -> PolicyLoss:
         clip_eps_low=grpo.clip_eps_low,
         clip_eps_high=grpo.clip_eps_high,
         aggregation=grpo.loss_aggregation,
+        norm_tokens=grpo.loss_norm_tokens,
     )
