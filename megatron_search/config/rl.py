@@ -25,8 +25,10 @@ class GRPOConfig(Section):
     # Importance sampling against the inference engine.
     is_level: Literal["token", "sequence"] = Field("token", description="token IS (recipe) or GSPO-style sequence IS")
     is_cap: Optional[PositiveFloat] = Field(None, description="truncated IS: cap C on the IS weight; None = off")
-    clip_eps_low: NonNegativeFloat = Field(0.2, description="PPO clip (only with updates_per_batch > 1)")
-    clip_eps_high: NonNegativeFloat = 0.2
+    clip_eps_low: NonNegativeFloat = Field(
+        0.2, lt=1.0, description="PPO clip: ratio floor 1 - eps_low (only with updates_per_batch > 1; common default)"
+    )
+    clip_eps_high: NonNegativeFloat = Field(0.2, description="PPO clip: ratio ceiling 1 + eps_high (common default)")
     loss_aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = Field(
         "seq_mean_token_mean",
         description="RECIPE 3 default: mean over tokens of each sequence, then over sequences; alternatives: "
