@@ -56,3 +56,22 @@ def test_errors():
         BPETokenizer.train(["a b c"], vocab_size=100)
     with pytest.raises(FileNotFoundError):
         BPETokenizer.load("/nonexistent/tokenizer.json")
+
+
+def test_train_tokenizer_cli(tmp_path, capsys):
+    import json
+
+    from megatron_search.cli import main
+
+    path = tmp_path / "c.jsonl"
+    corpus_texts = corpus(500)
+    path.write_text("".join(json.dumps({"id": str(i), "title": "T", "url": "u", "text": t}) + "\n"
+                              for i, t in enumerate(corpus_texts)))
+    rc = main(["train-tokenizer", "--corpus", str(path), "--out", str(tmp_path / "tok"), "--vocab-size", "600"])
+    assert rc == 0 and "trained on 500 documents" in capsys.readouterr().out
+    tok = BPETokenizer.load(tmp_path / "tok")
+    assert tok.vocab_size <= 600 and tok.decode(tok.encode(corpus_texts[0])) == corpus_texts[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    assert main(["train-tokenizer", "--corpus", str(bad), "--out", str(tmp_path / "t2")]) == 2
+    assert "bad.jsonl:1: no text field" in capsys.readouterr().err

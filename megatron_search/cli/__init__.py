@@ -13,6 +13,7 @@ COMMANDS = [
     "launch_cmd",
     "data_cmd",
     "index_cmd",
+    "tokenizer_cmd",
 ]
 
 
