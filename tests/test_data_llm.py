@@ -185,7 +185,7 @@ class ScriptedLLM:
 
 
 GENERATED = {"reference": "She will share the manpower planning. We have to arrange lodging and boarding.",
-             "rubrics": [{"kind": "essential", "text": 'The corrected sentence contains "lodging" and "boarding".'},
+             "rubrics": [{"kind": "essential", "text": "The corrected sentence keeps the meaning of the original."},
                          {"kind": "internal", "text": "The answer contains no citation markers of the form [type:index]."},
                          {"kind": "explicit", "text": "The answer is in English."},
                          {"kind": "essential", "text": "The correction is natural and fluent."}]}
@@ -197,8 +197,8 @@ def _judge_passing(n_pass):
         prompt = messages[-1]["content"]
         sample = prompt.split("Response to grade:\n", 1)[1].split("\n", 1)[0]
         crit = [l for l in prompt.split("Criteria:\n", 1)[1].split("\n\n")[0].splitlines() if l.strip()]
-        ok = int(sample[-1]) < n_pass
-        return json.dumps({"verdicts": [{"index": i, "pass": ok or i > 1, "reason": "-"} for i in range(1, len(crit) + 1)]})
+        assert crit == ["1. The corrected sentence keeps the meaning of the original."]  # only the non-mechanical one
+        return json.dumps({"verdicts": [{"index": 1, "pass": int(sample[-1]) < n_pass, "reason": "-"}]})
     return reply
 
 
@@ -208,7 +208,7 @@ def _run(pipe, items):
 
 def test_rubric_pipeline_precedence_validation_and_calibration():
     gen = ScriptedLLM(lambda m, i: "```json\n" + json.dumps(GENERATED) + "\n```")
-    policy = ScriptedLLM(lambda m, i: f"corrected sentence, sample {i}")
+    policy = ScriptedLLM(lambda m, i: f"We have to arrange lodging and boarding for the whole team, sample {i}")
     row = {"id": "c1", "messages": [{"role": "user", "content": "She will share u man power planning. Plz correct swntence."}]}
     kept, dropped = _run(RubricPipeline(gen, ScriptedLLM(_judge_passing(2)), policy), [item_from_row(row, "x:1")])
     assert dropped == [] and len(kept) == 1
@@ -230,9 +230,52 @@ def test_rubric_pipeline_drops_bad_llm_output_with_reason():
     _, dropped = _run(RubricPipeline(bad_gen, bad_gen, policy), [item_from_row(row, "x:1")])
     assert dropped[0].stage == "generate" and "not JSON" in dropped[0].reason
     gen = ScriptedLLM(lambda m, i: json.dumps(GENERATED))
-    short_judge = ScriptedLLM(lambda m, i: json.dumps({"verdicts": [{"index": 1, "pass": True}]}))
-    _, dropped = _run(RubricPipeline(gen, short_judge, policy), [item_from_row(row, "x:1")])
-    assert dropped[0].stage == "judge" and "expected 1..3" in dropped[0].reason
+    wrong_judge = ScriptedLLM(lambda m, i: json.dumps({"verdicts": [{"index": 2, "pass": True}]}))
+    _, dropped = _run(RubricPipeline(gen, wrong_judge, policy), [item_from_row(row, "x:1")])
+    assert dropped[0].stage == "judge" and "expected 1..1" in dropped[0].reason
     only_subjective = ScriptedLLM(lambda m, i: json.dumps({"reference": "r", "rubrics": [{"kind": "explicit", "text": "It is good."}]}))
     _, dropped = _run(RubricPipeline(only_subjective, gen, policy), [item_from_row(row, "x:1")])
     assert dropped[0].stage == "validate" and "no valid rubric" in dropped[0].reason
+
+
+def test_mechanical_rubric_checks():
+    from megatron_search.data.rubric_checks import check_rubric
+
+    good = "She will share the manpower planning. We have to arrange lodging and boarding."
+    bad = "Plz u share man power [web:1] & lodging"
+    cases = {
+        "The answer is in English.": (True, True),
+        "The answer is in French.": (False, False),
+        'The corrected sentence contains "lodging" and "boarding".': (True, False),
+        'It uses "manpower" as one word.': (True, False),
+        'It has no "u", "Plz" or "&".': (True, False),
+        "The answer contains no citation markers of the form [type:index].": (True, False),
+        "The answer has at most 8 words.": (False, True),
+        "The answer uses bullet points.": (False, False),
+        "The tone is warm.": (None, None),
+    }
+    for rubric, (g, b) in cases.items():
+        assert (check_rubric(rubric, good), check_rubric(rubric, bad)) == (g, b), rubric
+    assert check_rubric("The answer uses bullet points.", "- a\n- b") is True
+    assert check_rubric("The answer is in French.", "Nous devons organiser le logement et les repas.") is True
+
+
+def test_demo_rubric_rows_are_valid_and_graded_without_an_llm():
+    from megatron_search.data.rubric_checks import check_rubric
+    from megatron_search.data.rubric_demo import demo_rubric_rows
+    from megatron_search.data.world import build_world
+
+    rows = demo_rubric_rows(build_world(3, 60, filler_docs=5), 6, seed=1)
+    for row in rows:
+        item = item_from_row(row, "demo")
+        assert [r.kind for r in item.rubrics] == sorted((r.kind for r in item.rubrics), key=["explicit", "internal", "essential"].index)
+        assert all(rubric_problems(r.text, SUBJ) == [] for r in item.rubrics)
+        assert all(check_rubric(r.text, row["reference"]) is True for r in item.rubrics)  # the reference passes
+        assert not all(check_rubric(r.text, row["messages"][-1]["content"]) for r in item.rubrics)  # the request does not
+
+    def no_llm(m, i):
+        raise AssertionError("the LLM judge must not be called for mechanical rubrics")
+
+    policy = ScriptedLLM(lambda m, i: rows[0]["reference"] if i < 3 else "u & Plz")
+    kept, dropped = _run(RubricPipeline(ScriptedLLM(no_llm), ScriptedLLM(no_llm), policy), [item_from_row(rows[0], "d")])
+    assert dropped == [] and kept[0].to_dict()["pass_at_k"] == 3

@@ -61,7 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = dsub.add_parser("rubrics", help="rubric chat data: generate, validate, sample x4, judge, pass@4 filter")
     add_config_args(r)
-    r.add_argument("--input", required=True, help="chat JSONL rows {id, messages[, rubrics]}")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="chat JSONL rows {id, messages[, rubrics]} (rubrics missing: an LLM writes them)")
+    src.add_argument("--demo", type=int, metavar="N", help="N embedded demo prompts with checkable rubrics (needs --world)")
+    r.add_argument("--world", help="world directory (for --demo)")
+    r.add_argument("--no-calibration", action="store_true",
+                   help="skip the pass@4 filter (no policy endpoint needed); rows are marked uncalibrated")
     r.add_argument("--out", required=True, help="kept prompts with rubrics (JSONL)")
     r.add_argument("--dropped", help="dropped prompts with stage and reason (JSONL)")
     r.set_defaults(func=run_rubrics)
@@ -195,7 +200,16 @@ def run_rubrics(args) -> int:
     from megatron_search.data.rubrics import RubricPipeline, item_from_row
 
     cfg = load_from_args(args).data
-    items = [item_from_row(row, f"{args.input}:{i}") for i, row in enumerate(read_jsonl(args.input), 1)]
+    if args.demo is not None:
+        from megatron_search.data.rubric_demo import demo_rubric_rows
+        from megatron_search.data.world import World
+
+        if not args.world:
+            raise SystemExit("data rubrics: --demo needs --world DIR (entity names come from the world)")
+        items = [item_from_row(row, f"demo:{i}") for i, row in enumerate(demo_rubric_rows(World.load(args.world), args.demo,
+                                                                                           cfg.seed), 1)]
+    else:
+        items = [item_from_row(row, f"{args.input}:{i}") for i, row in enumerate(read_jsonl(args.input), 1)]
     rc = cfg.rubric
 
     async def go():
@@ -207,13 +221,13 @@ def run_rubrics(args) -> int:
         try:
             pipe = RubricPipeline(llm, llm, policy, rc.samples, rc.sample_temperature, rc.max_tokens,
                                   rc.prompt_version, rc.max_rubric_chars)
-            return await pipe.run(items, progress=_progress())
+            return await pipe.run(items, progress=_progress(), calibrate=not args.no_calibration)
         finally:
             await llm.close()
             await policy.close()
 
     kept, dropped = asyncio.run(go())
-    write_jsonl(args.out, kept)
+    write_jsonl(args.out, (dict(it.to_dict(), calibrated=not args.no_calibration) for it in kept))
     if args.dropped:
         write_jsonl(args.dropped, (vars(d) for d in dropped))
     reasons: dict[str, int] = {}

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from .llm_client import LLMClient, LLMError, LLMOutputError, parse_json_reply
 from .prompts import load_lines, load_prompt
+from .rubric_checks import check_rubric
 
 PRECEDENCE = ("explicit", "internal", "essential")
 _CHECK_VERBS = re.compile(r"\b(is|are|was|were|has|have|contains?|uses?|includes?|mentions?|gives?|states?|"
@@ -46,7 +47,7 @@ class RubricItem:
     def to_dict(self) -> dict:
         return {"id": self.id, "messages": self.messages, "reference": self.reference,
                 "rubrics": [r.text for r in self.rubrics], "rubric_kinds": [r.kind for r in self.rubrics],
-                "pass_at_k": sum(all(v) for v in self.verdicts), "k": len(self.verdicts),
+                "pass_at_k": sum(all(v) for v in self.verdicts) if self.verdicts else None, "k": len(self.verdicts),
                 "rejected_rubrics": self.rejected_rubrics}
 
 
@@ -136,7 +137,18 @@ class RubricPipeline:
         item.rubrics = kept
 
     async def grade(self, item: RubricItem, response: str) -> list[bool]:
-        listing = "\n".join(f"{i}. {r.text}" for i, r in enumerate(item.rubrics, 1))
+        """Per-rubric verdicts: mechanical checks where the rubric has a known form (rubric_checks),
+        the LLM judge for the rest (not called at all when every rubric is mechanical)."""
+        verdicts = [check_rubric(r.text, response) for r in item.rubrics]
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if todo:
+            judged = await self._judge(item, response, [item.rubrics[i] for i in todo])
+            for i, v in zip(todo, judged):
+                verdicts[i] = v
+        return [bool(v) for v in verdicts]
+
+    async def _judge(self, item: RubricItem, response: str, rubrics: list[Rubric]) -> list[bool]:
+        listing = "\n".join(f"{i}. {r.text}" for i, r in enumerate(rubrics, 1))
         prompt = self.judge_prompt.format(conversation=_conversation_text(item.messages), response=response, rubrics=listing)
         out = await self.judge.chat_json([{"role": "user", "content": prompt}], required={"verdicts": list},
                                          max_tokens=self.max_tokens)
@@ -147,11 +159,11 @@ class RubricPipeline:
             if v["index"] in verdicts:
                 raise LLMOutputError(f"judge gave two verdicts for criterion {v['index']}")
             verdicts[v["index"]] = v["pass"]
-        if sorted(verdicts) != list(range(1, len(item.rubrics) + 1)):
-            raise LLMOutputError(f"judge graded criteria {sorted(verdicts)}, expected 1..{len(item.rubrics)}")
-        return [verdicts[i] for i in range(1, len(item.rubrics) + 1)]
+        if sorted(verdicts) != list(range(1, len(rubrics) + 1)):
+            raise LLMOutputError(f"judge graded criteria {sorted(verdicts)}, expected 1..{len(rubrics)}")
+        return [verdicts[i] for i in range(1, len(rubrics) + 1)]
 
-    async def process(self, item: RubricItem) -> RubricItem | RubricDrop:
+    async def process(self, item: RubricItem, calibrate: bool = True) -> RubricItem | RubricDrop:
         stage = "generate"
         try:
             if not item.rubrics:
@@ -160,6 +172,8 @@ class RubricPipeline:
             self.validate(item)
             if not item.rubrics:
                 return RubricDrop(item.id, stage, f"no valid rubric left ({len(item.rejected_rubrics)} rejected)")
+            if not calibrate:
+                return item
             stage = "sample"
             replies = await asyncio.gather(*[
                 self.policy.chat(item.messages, temperature=self.sample_temperature, max_tokens=self.max_tokens,
@@ -172,12 +186,13 @@ class RubricPipeline:
         keep, why = calibration_keep([all(v) for v in item.verdicts])
         return item if keep else RubricDrop(item.id, "calibrate", why)
 
-    async def run(self, items: list[RubricItem], progress: bool = False) -> tuple[list[RubricItem], list[RubricDrop]]:
+    async def run(self, items: list[RubricItem], progress: bool = False,
+                  calibrate: bool = True) -> tuple[list[RubricItem], list[RubricDrop]]:
         kept, dropped = [], []
         bar = tqdm(total=len(items), desc="rubrics", disable=not progress)
 
         async def one(it):
-            out = await self.process(it)
+            out = await self.process(it, calibrate)
             bar.update(1)
             return out
 
@@ -197,4 +212,8 @@ def item_from_row(row: dict, where: str) -> RubricItem:
         raise DataError(f"{where}: the conversation must end with the user turn to answer")
     rubrics = [Rubric(r, "explicit") if isinstance(r, str) else Rubric(r["text"], r.get("kind", "explicit"))
                for r in row.get("rubrics") or []]
+    bad = [r.kind for r in rubrics if r.kind not in PRECEDENCE]
+    if bad:
+        raise DataError(f"{where}: rubric kind(s) {bad} not in {PRECEDENCE}")
+    rubrics.sort(key=lambda r: PRECEDENCE.index(r.kind))
     return RubricItem(str(row.get("id", where)), row["messages"], rubrics, row.get("reference"))
