@@ -213,3 +213,38 @@ def test_compute_rewards_from_config_and_16k_batch():
     b = compute_rewards_from_config(scores, cfg, reward_generator(cfg.seed, 5))
     assert a.reward.shape == (n,) and torch.equal(a.reward, b.reward)  # same seed and step: same baselines
     assert bool(((scores.r_base == 0) <= (a.reward <= 0)).all())
+
+
+def test_a_groups_baseline_ignores_other_groups_outcomes():
+    calls, failed = T([1, 5, 3, 2, 2, 4]), torch.zeros(6, dtype=torch.long)
+    kw = dict(alpha_win=1.0, alpha_lose=1.0, beta_lose=0.0)
+    # group 0 (winners c~ 1 and 5: b in 1..3) keeps its draw whether group 1 has winners or not
+    a = anchored_tool_penalty(calls, failed, T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), ids(3, 3), **kw,
+                              generator=reward_generator(0, 11))
+    b = anchored_tool_penalty(calls, failed, T([1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), ids(3, 3), **kw,
+                              generator=reward_generator(0, 11))
+    assert int(a.baseline[0]) == int(b.baseline[0]) and 1 <= int(a.baseline[0]) <= 3
+    assert int(b.baseline[1]) == -1
+
+
+def test_reward_generator_is_reproducible_per_step():
+    draws = [torch.rand(4, generator=reward_generator(3, step)) for step in (0, 1, 0)]
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+
+
+def test_compute_rewards_rejects_bad_batches():
+    good = dict(
+        group_ids=ids(2), r_base=T([1.0, 0.0]), s=T([0.5, 0.5]), tool_calls=T([1, 1]), failed_calls=T([0, 0]),
+        lengths=T([10, 10]), ref_lengths=T([10, 10]),
+    )
+    kw = dict(lambda_tool=0.1, lambda_len=0.1, alpha_win=1.0, alpha_lose=1.0, beta_lose=0.0,
+              preference_threshold=0.5, generator=None)
+    compute_rewards(RolloutScores(**good), **kw)
+    for field, value, message in [
+        ("r_base", T([1.0, float("nan")]), r"r_base: 1 NaN/inf value\(s\)"),
+        ("s", T([0.5, -0.1]), r"s: values must lie in \[0, 1\], got -0.1"),
+        ("group_ids", T([1, 1]), "group_ids: ids must start at 0"),
+        ("lengths", T([10, 10, 10]), "lengths: length 3 does not match the 2 rollouts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            compute_rewards(RolloutScores(**{**good, field: value}), **kw)
