@@ -1,8 +1,10 @@
 """Chat format round trips with the real Qwen tokenizer (both call syntaxes) and the token-in/
 token-out layout of ChatEncoder: prompt + model turns + appended tool responses == encode(render)."""
 import asyncio
+import unicodedata
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.tokenizer import ChatEncoder, QwenTokenizer
@@ -89,3 +91,20 @@ def test_append_supplies_im_end_when_the_model_stopped_on_a_string(qwen):
     assert qwen.decode(append) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\nresult\n</tool_response>"
                                    "<|im_end|>\n<|im_start|>assistant\n")
     assert enc.stop_ids == [151645, 151643]
+
+
+# Any query text without "<" (which could spell a tag or a special token) survives
+# render -> encode (real Qwen BPE, NFC) -> decode -> parse in both call syntaxes.
+
+_QUERY = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="<"), min_size=1,
+                 max_size=60)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(query=_QUERY, content=_QUERY, style=st.sampled_from(["qwen3", "qwen3_5"]))
+def test_call_round_trip_property(qwen, tool, query, content, style):
+    fmt = ChatFormat(style, think="none")
+    body = fmt.render_assistant_body(content, [{"name": "search_web", "arguments": {"query": query}}])
+    turn = ChatEncoder(qwen, fmt).parse_turn(qwen.encode(body + "<|im_end|>"), [tool.spec])
+    assert [(c.name, c.arguments, c.parse_error) for c in turn.calls] == [
+        ("search_web", {"query": unicodedata.normalize("NFC", query)}, None)]
