@@ -198,3 +198,86 @@ def test_verification_resumes_per_question(run, world, backend, tmp_path):
     assert [r.to_dict() for r in resumed] == [r.to_dict() for r in records]
     assert 0 < counting.calls < pipe.search_calls
     assert len((tmp_path / "verify.partial.jsonl").read_text().splitlines()) == len(lines)
+
+
+# ---------------------------------------------------------------- LLM-backed steps
+
+class DoubleLLM:
+    """In-process stand-in for an LLM endpoint (the HTTP client itself is tested in test_data_llm.py).
+    It answers the three versioned prompts by doing the task the prompt describes with the offline
+    tools, so the LLM backend's plumbing (prompts, JSON parsing, checks, stages) runs for real."""
+
+    def __init__(self, search):
+        self.search = search
+        self.calls = 0
+
+    async def close(self):
+        pass
+
+    async def chat_json(self, messages, required=None, **kw):
+        from megatron_search.data.llm_client import parse_json_reply
+        from megatron_search.data.synth.solver import DEFAULT_SOLVERS, solve
+
+        self.calls += 1
+        text = messages[-1]["content"]
+        if "Extract the atomic factual claims" in text:
+            doc = text.split("Document:\n", 1)[1].split("\n\nReply with JSON", 1)[0]
+            reply = {"claims": [asdict(c) for c in extract_claims(doc)]}
+        elif "Write one question" in text:
+            lines = text.split("first entity first):\n", 1)[1].split("\n\nReply", 1)[0].splitlines()
+            parts = [l[2:].split(" | ") for l in lines]
+            answer = parts[0][0] if parts[0][0] != parts[1][0] and parts[0][0] != parts[1][2] else parts[0][2]
+            ents, links = [answer], []
+            for s, rel, o in parts[:-1]:
+                links.append(Link(rel, "fwd" if s == ents[-1] else "inv"))
+                ents.append(o if s == ents[-1] else s)
+            atype = text.split("(a ", 1)[1].split(")", 1)[0]
+            reply = {"question": render(QuestionPlan(atype, tuple(links), parts[-1][1], parts[-1][2]))}
+        else:  # solver turn: search once for real, then answer with the scripted solver's result
+            if messages[-1]["role"] == "user" and not messages[-1]["content"].startswith("["):
+                reply = {"action": "search", "query": messages[-1]["content"][:200]}
+            else:
+                res = solve(messages[1]["content"], self.search, DEFAULT_SOLVERS[0])
+                reply = {"action": "answer", "answer": res.answers[0]} if res.unique else {"action": "answer", "answer": "?"}
+        return parse_json_reply(json.dumps(reply), required)
+
+
+def test_llm_backend_runs_the_same_stages(world, backend, tmp_path):
+    cfg = SMALL.model_copy(update={"backend": "llm", "num_seed_queries": 6, "chains_per_entity": 1, "llm_solvers": 2,
+                                   "quorum": 2})
+    llm = DoubleLLM(backend)
+    pipe = SynthPipeline(cfg, backend, tmp_path, world=world, llm=llm)
+    records = pipe.run()
+    assert records and llm.calls > 0 and "truth" not in pipe.manifest["stages"]
+    for r in records:
+        assert r.source == "synthetic" and len(r.metadata["solvers"]) == 2
+        assert all(s["answers"] == r.answers for s in r.metadata["solvers"])
+
+
+def test_llm_steps_reject_bad_output(backend):
+    import asyncio
+
+    from megatron_search.data.llm_client import LLMOutputError
+    from megatron_search.data.synth.llm_steps import LLMExtractor, SyncRunner, llm_question, llm_solve
+
+    class Canned:
+        def __init__(self, replies):
+            self.replies = list(replies)
+
+        async def chat_json(self, messages, required=None, **kw):
+            from megatron_search.data.llm_client import parse_json_reply
+            return parse_json_reply(self.replies.pop(0), required)
+
+    runner = SyncRunner()
+    try:
+        ex = LLMExtractor(Canned(['{"claims": [{"subject": "A", "relation": "", "object": "B"}]}']), runner)
+        assert ex("A wrote B.") == [] and "non-empty strings" in ex.errors[0]
+    finally:
+        runner.close()
+    leak = Canned(['{"question": "Which book was written by Tovrik Selvane?"}'])
+    with pytest.raises(LLMOutputError, match="names chain entities"):
+        asyncio.run(llm_question(leak, "book", [{"subject": "X", "relation": "written_by", "object": "Tovrik Selvane"}],
+                                 ["X", "Tovrik Selvane"]))
+    chatty = Canned(['{"action": "search", "query": "festival"}', "I am not sure"])
+    res = asyncio.run(llm_solve(chatty, "Which festival ...?", backend, "llm-0"))
+    assert res.queries == ["festival"] and res.answers == [] and "unreadable action" in res.failure

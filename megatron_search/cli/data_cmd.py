@@ -99,7 +99,12 @@ def run_synth(args) -> int:
     world = World.load(args.world) if args.world else None
     docs = [asdict(d) for d in world.documents] if world else list(read_corpus(args.corpus))
     backend = LocalSearchBackend.from_docs(docs, snippet_chars=cfg.snippet_chars)
-    pipe = SynthPipeline(cfg, backend, args.work, world=world, progress=_progress())
+    llm = None
+    if cfg.backend == "llm":
+        from megatron_search.data.llm_client import LLMClient
+
+        llm = LLMClient.from_config(load_from_args(args).data.llm)
+    pipe = SynthPipeline(cfg, backend, args.work, world=world, progress=_progress(), llm=llm)
     records = pipe.run()
     n = write_jsonl(args.out, records)
     stages = {k: (v["kept"], v["dropped"]) for k, v in pipe.manifest["stages"].items()}

@@ -24,6 +24,13 @@ class SynthConfig(Section):
     """Synthetic QA by sequential expansion (RECIPE 4.1)."""
 
     seed: int = 0
+    backend: Literal["offline", "llm"] = Field(
+        "offline", description="offline: template extractor + scripted solvers (embedded world); llm: data.llm does "
+        "claim extraction, question writing and solving (open corpora)")
+    llm_solvers: PositiveInt = Field(3, description="llm backend: independent LLM search solvers")
+    llm_solver_max_calls: PositiveInt = Field(5, description="llm backend: searches per solver (RECIPE 6: 5)")
+    llm_solver_temperature: NonNegativeFloat = Field(0.6, description="llm backend: solver sampling temperature")
+    prompt_version: str = Field("v1", description="llm backend: suffix of the versioned prompt files")
     num_seed_queries: PositiveInt = Field(40, description="seed queries; each retrieves candidate entities")
     search_k: PositiveInt = Field(10, description="results read per query (RECIPE 6: at most 10)")
     snippet_chars: PositiveInt = Field(2000, description="snippet length the pipeline reads from the local index")
@@ -43,8 +50,8 @@ class SynthConfig(Section):
     def _check(self) -> "SynthConfig":
         if self.min_hops > self.max_hops:
             raise ValueError(f"data.synth.min_hops={self.min_hops} exceeds max_hops={self.max_hops}")
-        if self.quorum > len(self.solvers):
-            raise ValueError(f"data.synth.quorum={self.quorum} exceeds the {len(self.solvers)} configured solvers")
+        if self.quorum > (self.llm_solvers if self.backend == "llm" else len(self.solvers)):
+            raise ValueError(f"data.synth.quorum={self.quorum} exceeds the number of configured solvers")
         return self
 
 

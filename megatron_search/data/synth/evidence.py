@@ -19,8 +19,10 @@ class SearchLike(Protocol):
 class Evidence:
     """Claims extracted from every search result seen so far (one solver or one pipeline run)."""
 
-    def __init__(self, search: SearchLike, k: int, max_query_chars: int = 250):
+    def __init__(self, search: SearchLike, k: int, max_query_chars: int = 250,
+                 extractor: Callable[[str], list[Claim]] = extract_claims):
         self._search = search
+        self._extract = extractor
         self.k = k
         self.max_query_chars = max_query_chars
         self.calls: list[str] = []
@@ -40,7 +42,7 @@ class Evidence:
             if r.doc_id in self.doc_claims:
                 continue
             host = urlparse(r.url).netloc or r.url
-            claims = extract_claims(r.snippet)
+            claims = self._extract(r.snippet)
             self.doc_host[r.doc_id] = host
             self.doc_claims[r.doc_id] = claims
             for c in claims:

@@ -20,11 +20,13 @@ from ..records import QARecord
 from ..world import World
 from .augment import to_records
 from .evidence import Evidence
+from .extract import extract_claims
+from .llm_steps import LLMExtractor, SyncRunner, llm_question, llm_solve
 from .question import parse
 from .solver import DEFAULT_SOLVERS, SolverSpec
 from .stages import (CardBook, ChainRecord, Dropped, EntityCard, QuestionRecord, SeedHit, VerifiedRecord,
-                     chain_stage, confirm_stage, make_seed_queries, make_solver, question_stage, seed_stage,
-                     verify_one)
+                     chain_stage, confirm_stage, llm_question_stage, make_seed_queries, make_solver, question_stage,
+                     seed_stage, verify_one)
 from .truth import world_answers
 
 
@@ -38,14 +40,25 @@ def _specs(names: list[str]) -> tuple[SolverSpec, ...]:
 
 class SynthPipeline:
     def __init__(self, cfg: SynthConfig, search: Any, work_dir: str | Path, world: Optional[World] = None,
-                 progress: bool = False):
+                 progress: bool = False, llm: Any = None):
         self.cfg = cfg
         self.search = search
         self.work = Path(work_dir)
         self.world = world
         self.progress = progress
-        self.specs = _specs(cfg.solvers)
-        self.ev = Evidence(search, cfg.search_k)
+        self.llm = llm
+        self.runner = None
+        extractor = extract_claims
+        if cfg.backend == "llm":
+            if llm is None:
+                raise DataError("data.synth.backend=llm needs an LLM client (data.llm)")
+            self.runner = SyncRunner()
+            self.extractor = LLMExtractor(llm, self.runner, cfg.prompt_version)
+            extractor = self.extractor
+            self.specs = tuple(SolverSpec(f"llm-{i}", "llm") for i in range(cfg.llm_solvers))
+        else:
+            self.specs = _specs(cfg.solvers)
+        self.ev = Evidence(search, cfg.search_k, extractor=extractor)
         self.book = CardBook(self.ev, cfg.min_support)
         self.work.mkdir(parents=True, exist_ok=True)
         self._manifest_path = self.work / "manifest.json"
@@ -95,19 +108,27 @@ class SynthPipeline:
         if self._done("question"):
             questions = [QuestionRecord.from_dict(d) for d in self._load("question")]
         else:
-            questions, dropped = question_stage(chains)
+            if self.runner is not None:
+                questions, dropped = llm_question_stage(chains, lambda ch: self.runner.run(llm_question(
+                    self.llm, ch.answer_type, ch.claims(), ch.entities, c.prompt_version)))
+            else:
+                questions, dropped = question_stage(chains)
             self._save("question", questions, dropped)
         if self._done("verify"):
             verified = [VerifiedRecord.from_dict(d) for d in self._load("verify")]
         else:
             verified, dropped = self._verify(questions)
             self._save("verify", verified, dropped)
-        if self.world is not None and c.world_truth_check:
+        if self.world is not None and c.world_truth_check and c.backend == "offline":
             if self._done("truth"):
                 verified = [VerifiedRecord.from_dict(d) for d in self._load("truth")]
             else:
                 verified, dropped = self._truth(verified)
                 self._save("truth", verified, dropped)
+        if self.runner is not None:
+            self.runner.run(self.llm.close())  # the client's HTTP session lives on the runner's loop
+            self.runner.close()
+            self.runner = None
         records = to_records(verified, load_keyed(c.format_prompts), c.augment_fraction, c.validation_fraction, c.seed)
         self.manifest["records"] = len(records)
         atomic_write_json(self._manifest_path, self.manifest)
@@ -126,7 +147,15 @@ class SynthPipeline:
                     continue
             # drop a torn last line before appending after it
             write_jsonl(partial, done.values())
-        solver = make_solver(self.search)
+        if self.runner is not None:
+            index = {s.name: i for i, s in enumerate(self.specs)}
+
+            def solver(question, spec):
+                return self.runner.run(llm_solve(self.llm, question, self.search, spec.name, self.cfg.llm_solver_max_calls,
+                                                 self.cfg.search_k, self.cfg.llm_solver_temperature, index[spec.name],
+                                                 self.cfg.prompt_version))
+        else:
+            solver = make_solver(self.search)
         with open(partial, "a", encoding="utf-8") as f:
             for q in tqdm(questions, desc="synth: verify", disable=not self.progress):
                 if q.chain.id in done:

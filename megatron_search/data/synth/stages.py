@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from ..world_schema import ATTRIBUTE_BY_NAME, ATTRIBUTES, ENTITY_TYPES
+from ..records import normalize_text
+from ..world_schema import ATTRIBUTES, ENTITY_TYPES
 from .evidence import Evidence
 from .extract import Claim
 from .question import Link, QuestionPlan, render
@@ -168,7 +169,7 @@ def _expand(card: EntityCard, chain_names: list[str], book: CardBook, rng: rando
             links_left: int) -> Optional[tuple[list[dict], dict, list[str]]]:
     """Depth-first sequential expansion from `card`: `links_left` more links, then an anchor."""
     if links_left == 0:
-        anchors = [c for c in card.claims if c["literal"] and c["relation"] in ATTRIBUTE_BY_NAME]
+        anchors = [c for c in card.claims if c["literal"]]  # cards hold no is_a claims
         return ([], rng.choice(anchors), []) if anchors else None
     options = [c for c in card.claims if not c["literal"]]
     rng.shuffle(options)
@@ -256,11 +257,12 @@ def verify_one(rec: QuestionRecord, solver: Callable[[str, SolverSpec], SolverRe
     the chain's answer (a solver that finds several candidates counts against uniqueness)."""
     results = [solver(rec.question, s) for s in specs]
     report = [{"solver": r.solver, "answers": r.answers, "queries": len(r.queries), "failure": r.failure} for r in results]
+    gold = normalize_text(rec.chain.answer)
     multi = [r for r in results if len(r.answers) > 1]
-    agree = [r for r in results if r.unique == rec.chain.answer]
+    agree = [r for r in results if r.unique is not None and normalize_text(r.unique) == gold]
     if multi:
         reason = f"not unique: {multi[0].solver} found {len(multi[0].answers)} answers"
-    elif len({r.unique for r in results if r.unique}) > 1:
+    elif len({normalize_text(r.unique) for r in results if r.unique}) > 1:
         reason = "solvers disagree"
     elif len(agree) < quorum:
         reason = f"only {len(agree)} of {len(specs)} solvers confirmed the answer (quorum {quorum})"
@@ -271,3 +273,22 @@ def verify_one(rec: QuestionRecord, solver: Callable[[str, SolverSpec], SolverRe
 
 def make_solver(search) -> Callable[[str, SolverSpec], SolverResult]:
     return lambda question, spec: solve(question, search, spec)
+
+
+def llm_question_stage(chains: list[ChainRecord], write: Callable[[ChainRecord], str]) -> tuple[list[QuestionRecord], list[Dropped]]:
+    """LLM-backed question writing: `write` returns the question or raises (leaks, bad output)."""
+    from ..llm_client import LLMError, LLMOutputError
+
+    kept, dropped, seen = [], [], set()
+    for chain in chains:
+        try:
+            q = write(chain)
+        except (LLMError, LLMOutputError) as e:
+            dropped.append(Dropped("question", {"id": chain.id}, str(e)))
+            continue
+        if q in seen:
+            dropped.append(Dropped("question", {"id": chain.id, "question": q}, "duplicate question"))
+            continue
+        seen.add(q)
+        kept.append(QuestionRecord(chain, q))
+    return kept, dropped
