@@ -17,6 +17,13 @@ Instruct-2507, or Qwen3 hybrid with thinking on: the model opens `<think>` itsel
 (`...<think>\\n`, Qwen3.5 default / Qwen3 Thinking-2507), "closed" (`...<think>\\n\\n</think>\\n\\n`,
 enable_thinking=False).
 
+Checked once against the official templates rendered by transformers' jinja environment
+(not shipped in the installed package, so the tests pin hand-written template output):
+identical for Qwen3.5 (think="open") and for Qwen3 Instruct-2507 (think="none") on
+conversations with system text, tools, parallel calls, several tool turns and reasoning.
+The Qwen3 *hybrid* template also adds an empty think block to the last assistant turn; use
+think="closed" for that model (every turn then carries the block, as its rollouts do).
+
 Parsing accepts both call syntaxes in either style (a policy may drift between them); a block
 that cannot be read is a `ToolCall` with `parse_error` set (broken class "malformed"). Calls
 inside the reasoning block are not executed (the templates and SGLang's parsers separate
