@@ -176,8 +176,8 @@ def run_convert(args) -> int:
 
     cfg = load_from_args(args).data.convert
     skips = SkipCounter()
-    train = [r for src, p in _pairs(args.input) for r in convert_file(src, p, cfg.on_error, skips)]
-    evals = [r for src, p in _pairs(args.eval) for r in convert_file(src, p, cfg.on_error, skips)]
+    train = [r for src, p in _pairs(args.input) for r in convert_file(src, p, cfg.on_error, skips, _progress())]
+    evals = [r for src, p in _pairs(args.eval) for r in convert_file(src, p, cfg.on_error, skips, _progress())]
     report = FilterReport()
     kept = quality_filter(train, evals, cfg.max_answer_chars, report)
     write_jsonl(args.out, kept)

@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from tqdm import tqdm
+
 from .jsonl import DataError, SkipCounter
 from .records import QARecord, normalize_text
 from .tables import read_rows
@@ -106,7 +108,8 @@ CONVERTERS: dict[str, Callable[[dict], tuple]] = {
 }
 
 
-def convert_file(source: str, path: str, on_error: str = "raise", skips: Optional[SkipCounter] = None) -> list[QARecord]:
+def convert_file(source: str, path: str, on_error: str = "raise", skips: Optional[SkipCounter] = None,
+                 progress: bool = False) -> list[QARecord]:
     """Convert one file of `source` to records; a bad row raises DataError "<file>:<line>: ..." or is skipped."""
     if source not in CONVERTERS:
         raise DataError(f"unknown source {source!r}; known: {sorted(CONVERTERS)}")
@@ -114,7 +117,7 @@ def convert_file(source: str, path: str, on_error: str = "raise", skips: Optiona
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     split = "test" if source in EVAL_SOURCES else "train"
     out = []
-    for loc, row in read_rows(path):
+    for loc, row in tqdm(read_rows(path), desc=f"convert {source}", unit=" rows", disable=not progress):
         try:
             if "__error__" in row:
                 raise ValueError(row["__error__"])
