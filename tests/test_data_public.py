@@ -86,7 +86,7 @@ def test_cli_convert(tmp_path, capsys):
     syn.write_text("".join(json.dumps(QARecord(f"syn-{i}", f"q{i}", ["a"], "synthetic").to_dict()) + "\n"
                            for i in range(20)))
     out = tmp_path / "train.jsonl"
-    rc = main(["data", "convert", "data.convert.on_error=skip",
+    rc = main(["data", "convert", "data.convert.on_error=skip", "data.convert.augment_fraction=0",
                "--input", f"deepdive={FIX / 'deepdive.parquet'}", f"bamboogle={FIX / 'bamboogle.csv'}",
                f"webshaper={FIX / 'webshaper.jsonl'}", f"webwalkerqa={FIX / 'webwalkerqa.jsonl'}",
                f"sealqa={FIX / 'sealqa_seal-0.parquet'}",
@@ -97,3 +97,19 @@ def test_cli_convert(tmp_path, capsys):
     assert len(rows) == 8 and {r["source"] for r in rows} == {"deepdive", "bamboogle", "webshaper", "webwalkerqa", "sealqa"}
     assert len((tmp_path / "syn_matched.jsonl").read_text().splitlines()) == 8
     assert "bad rows skipped: 2" in capsys.readouterr().out
+
+
+def test_format_augment_keeps_answers_and_split():
+    from megatron_search.data.public import format_augment
+
+    recs = [QARecord(f"r{i}", f"q{i}?", [f"a{i}"], "bamboogle") for i in range(40)]
+    out = format_augment(recs, {"json": 'Write the answer as a JSON object with a single key "answer".'}, 0.5, seed=1)
+    fmt = [r for r in out if r.id.endswith("-fmt")]
+    assert [r.id for r in out if not r.id.endswith("-fmt")] == [r.id for r in recs]
+    assert 10 <= len(fmt) <= 30
+    by_id = {r.id: r for r in recs}
+    for r in fmt:
+        base = by_id[r.id.removesuffix("-fmt")]
+        assert r.answers == base.answers and r.split == base.split and r.question == base.question
+        assert r.prompt == f"{base.question}\n\n{r.format_instruction}"
+    assert format_augment(recs, {"json": "x"}, 0.0) == recs

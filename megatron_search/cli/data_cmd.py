@@ -171,7 +171,8 @@ def _pairs(items: list[str]) -> list[tuple[str, str]]:
 
 def run_convert(args) -> int:
     from megatron_search.data.jsonl import SkipCounter, read_jsonl, write_jsonl
-    from megatron_search.data.public import FilterReport, convert_file, match_scale, quality_filter
+    from megatron_search.data.prompts import load_keyed
+    from megatron_search.data.public import FilterReport, convert_file, format_augment, match_scale, quality_filter
     from megatron_search.data.records import QARecord
 
     cfg = load_from_args(args).data.convert
@@ -180,10 +181,11 @@ def run_convert(args) -> int:
     evals = [r for src, p in _pairs(args.eval) for r in convert_file(src, p, cfg.on_error, skips, _progress())]
     report = FilterReport()
     kept = quality_filter(train, evals, cfg.max_answer_chars, report)
+    kept = format_augment(kept, load_keyed(cfg.format_prompts), cfg.augment_fraction, cfg.seed)
     write_jsonl(args.out, kept)
     if args.eval_out:
         write_jsonl(args.eval_out, evals)
-    print(f"convert: {len(kept)} training records -> {args.out}; dropped {report.dropped}; "
+    print(f"convert: {len(kept)} training records ({report.kept} questions) -> {args.out}; dropped {report.dropped}; "
           f"bad rows skipped: {skips.skipped}")
     for reason in skips.reasons:
         print(f"  skipped {reason}", file=sys.stderr)

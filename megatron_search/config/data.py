@@ -68,7 +68,9 @@ class ConvertConfig(Section):
 
     on_error: Literal["raise", "skip"] = Field("raise", description="bad rows: error naming file and line, or skip and count")
     max_answer_chars: PositiveInt = Field(200, description="longer gold answers are dropped (not short-answer QA)")
-    seed: int = Field(0, description="seed of the synthetic scale-matching sample")
+    seed: int = Field(0, description="seed of the synthetic scale-matching sample and of format augmentation")
+    augment_fraction: float = Field(0.3, ge=0.0, le=1.0, description="public questions that also get a format-instruction copy")
+    format_prompts: str = Field("format_instructions_v1", description="versioned prompt file of format instructions")
 
 
 class LLMConfig(Section):

@@ -189,3 +189,20 @@ def match_scale(synthetic: list[QARecord], target: int, seed: int = 0) -> list[Q
     if len(out) < target:
         raise DataError(f"match_scale: only {len(synthetic)} synthetic records for a target of {target}; synthesise more")
     return out
+
+
+def format_augment(records: list[QARecord], instructions: dict[str, str], fraction: float, seed: int = 0) -> list[QARecord]:
+    """RECIPE 4.1 augmented prompt format for public sets: each record, plus for a seeded `fraction` a
+    copy with an explicit format instruction (`<id>-fmt`, same answers, same split)."""
+    from dataclasses import replace
+
+    rng = random.Random(seed)
+    keys = sorted(instructions)
+    out = []
+    for r in records:
+        out.append(r)
+        if keys and rng.random() < fraction:
+            key = rng.choice(keys)
+            out.append(replace(r, id=f"{r.id}-fmt", metadata=dict(r.metadata, format_key=key),
+                               format_instruction=instructions[key]))
+    return out
