@@ -170,3 +170,39 @@ def test_api_key_goes_in_header_and_never_in_repr(server, monkeypatch):
     monkeypatch.delenv("MS_TEST_SEARCH_KEY")
     with pytest.raises(SearchBackendError, match="MS_TEST_SEARCH_KEY.*not set"):
         build_backend(SearchConfig(backend="searxng", url=server.url, api_key_env="MS_TEST_SEARCH_KEY"))
+
+
+def test_a_commercial_api_plugs_into_the_http_base(server, monkeypatch):
+    """The extension point: a subclass defines request() and parse(); retries/timeouts are inherited."""
+    from megatron_search.search import SearchResult, read_api_key
+    from megatron_search.search.searxng import HTTPSearchBackend
+
+    class VendorAPI(HTTPSearchBackend):
+        name = "vendor"
+
+        def request(self, query, k):
+            return f"{self.base_url}/search", {"q": query, "format": "json", "count": str(k)}, {
+                "Authorization": f"Token {read_api_key(self.api_key_env)}"}
+
+        def parse(self, payload, k):
+            return [SearchResult(r["title"], r["url"], r.get("content") or "", r["url"])
+                    for r in payload["results"] if r.get("url")][:k]
+
+    monkeypatch.setenv("MS_VENDOR_KEY", "v-key")
+    server.mode = "flaky"  # first attempt 503, then success
+    api = VendorAPI(server.url, timeout_s=1.0, retries=1, backoff_s=0.01, api_key_env="MS_VENDOR_KEY")
+    assert [h.title for h in api.search("q", 2)] == ["First", ""]
+    assert server.hits == 2 and server.seen[-1] == ({"q": "q", "format": "json", "count": "2"}, "Token v-key")
+    assert "v-key" not in repr(api)
+
+
+def test_search_tool_from_config(tmp_path):
+    import json
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "title": "Seine", "url": "u", "text": "river in Paris"}) + "\n")
+    tool = SearchTool.from_config(SearchConfig(corpus=str(corpus), max_calls=2, max_results=3, max_query_chars=20))
+    session = tool.session()
+    assert (session.budget, tool.max_results, tool.max_query_chars) == (2, 3, 20)
+    (res,) = asyncio.run(session.execute_all([ToolCall("search_web", {"query": "Paris river"})]))
+    assert res.ok and res.results[0].doc_id == "1"

@@ -176,6 +176,8 @@ class QwenTokenizer(ChatTokenizer):
         from tokenizers.models import BPE
 
         vocab, merges = ranks_to_vocab_merges(self.ranks)
+        # ignore_merges: a pre-tokenized piece that is itself a vocabulary entry maps to that id
+        # directly, which is what tiktoken does (the equality is tested).
         tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=True))
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = _qwen_pre_tokenizer()
