@@ -113,3 +113,10 @@ def test_format_augment_keeps_answers_and_split():
         assert r.answers == base.answers and r.split == base.split and r.question == base.question
         assert r.prompt == f"{base.question}\n\n{r.format_instruction}"
     assert format_augment(recs, {"json": "x"}, 0.0) == recs
+
+
+def test_cli_bad_row_is_one_clear_error(tmp_path, capsys):
+    rc = main(["data", "convert", "--input", f"bamboogle={FIX / 'bamboogle.csv'}", "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2
+    assert "bamboogle.csv:5: bad bamboogle row" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()  # nothing half-written

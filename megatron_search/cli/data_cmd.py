@@ -76,6 +76,25 @@ def _progress() -> bool:
     return sys.stderr.isatty()
 
 
+def _clean_errors(fn):
+    """Bad input (data, LLM endpoint, search index) ends the command with one clear line, exit code 2."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(args) -> int:
+        from megatron_search.data.jsonl import DataError
+        from megatron_search.data.llm_client import LLMError, LLMOutputError
+        from megatron_search.search.base import SearchBackendError
+
+        try:
+            return fn(args)
+        except (DataError, LLMError, LLMOutputError, SearchBackendError, FileNotFoundError) as e:
+            print(f"error: data {args.data_command}: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+@_clean_errors
 def run_world(args) -> int:
     from megatron_search.data.world import build_world
 
@@ -87,6 +106,7 @@ def run_world(args) -> int:
     return 0
 
 
+@_clean_errors
 def run_synth(args) -> int:
     from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.synth.pipeline import SynthPipeline
@@ -112,6 +132,7 @@ def run_synth(args) -> int:
     return 0
 
 
+@_clean_errors
 def run_sft(args) -> int:
     from megatron_search.data.jsonl import read_jsonl, write_jsonl
     from megatron_search.data.records import QARecord
@@ -134,6 +155,7 @@ def run_sft(args) -> int:
     return 0
 
 
+@_clean_errors
 def run_mix(args) -> int:
     from megatron_search.data.jsonl import atomic_write_json, read_jsonl, write_jsonl
     from megatron_search.data.mix import MixSampler, qa_item, rubric_item
@@ -169,6 +191,7 @@ def _pairs(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+@_clean_errors
 def run_convert(args) -> int:
     from megatron_search.data.jsonl import SkipCounter, read_jsonl, write_jsonl
     from megatron_search.data.prompts import load_keyed
@@ -199,6 +222,7 @@ def run_convert(args) -> int:
     return 0
 
 
+@_clean_errors
 def run_rubrics(args) -> int:
     import asyncio
 
