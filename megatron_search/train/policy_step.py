@@ -1,0 +1,179 @@
+"""One GRPO optimizer step on Megatron: logits -> fused token logprobs -> token-IS policy loss.
+
+The forward step asks the model for logits (no labels), computes log pi_train of the sampled
+tokens with the fused (vocab-parallel under TP) logprob kernel, and hands them to the policy
+loss of rl/losses.py together with the engine's logprobs, the advantages and the mask.
+
+Normalisation is exact for any micro-batching and data parallelism: every micro-batch passes
+the GLOBAL count (sequences with a trained token, or trained tokens for token_mean) as the
+loss denominator, and its loss is multiplied by (micro-batches x DP size) to undo Megatron's
+mean over micro-batches and DDP's mean over data-parallel ranks.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_search.kernels.logprob import token_logprobs
+
+from .rollout_batch import RolloutBatch
+
+
+def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float:
+    """Global count the aggregation divides by, summed over data-parallel ranks."""
+    if aggregation == "token_mean":
+        local = batch.mask_BS.sum()
+    else:
+        local = (batch.mask_BS.sum(-1) > 0).sum().to(torch.float32)
+    total = local.to(torch.float64).clone()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=dp_group)
+    return float(total)
+
+
+def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
+                      logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None):
+    """forward_step_func for megatron.core.pipeline_parallel's schedules.
+
+    With `capture` (forward-only passes), the detached log pi of every micro-batch is appended to it
+    and the loss is zero: used to compute pi_old before several optimizer steps on one batch.
+    """
+    counter = {"i": 0}
+
+    def forward_step(data_iterator, model):
+        mb: RolloutBatch = next(data_iterator)
+        i = counter["i"]
+        counter["i"] += 1
+        s = mb.tokens_BS.shape[1]
+        position_ids = torch.arange(s).unsqueeze(0).expand_as(mb.tokens_BS)
+        logits = model(mb.tokens_BS, position_ids, None)
+
+        def loss_func(output: torch.Tensor):
+            out = token_logprobs(output, mb.targets_BS, group=tp_group)
+            if capture is not None:
+                capture.append(out.logp.detach().float())
+                zero = output.sum() * 0.0
+                return zero, {}
+            logp_old = None if logp_old_mbs is None else logp_old_mbs[i]
+            loss, metrics = policy_loss(out.logp, mb.logp_infer_BS, mb.advantages_B, mb.mask_BS,
+                                        logp_old=logp_old, denominator=denominator)
+            metrics = {k: v.detach().float() for k, v in metrics.items()}
+            # loss * scale averaged over every micro-batch and DP rank is the global objective.
+            metrics["loss"] = (loss * scale).detach().float()
+            return loss * scale, metrics
+
+        return logits, loss_func
+
+    return forward_step
+
+
+def split_microbatches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
+    n = batch.size
+    if n % micro_batch_size:
+        raise ValueError(f"{n} rollouts on this rank are not a multiple of grpo.micro_batch_size={micro_batch_size}")
+    return [batch.slice(i, i + micro_batch_size) for i in range(0, n, micro_batch_size)]
+
+
+def run_schedule(chunks: list, forward_step, mbs: list[RolloutBatch], forward_only: bool) -> list[dict]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    iterators = iter(mbs) if len(chunks) == 1 else [iter(mbs) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(mbs),
+        seq_length=mbs[0].tokens_BS.shape[1],
+        micro_batch_size=mbs[0].size,
+        forward_only=forward_only,
+    )
+
+
+def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) -> dict[str, float]:
+    """Metrics of the last pipeline stage's micro-batches, reduced over data-parallel ranks and shared
+    with every stage: `*_min` keys by min, `*_max` by max, the rest by mean over micro-batches."""
+    keys = sorted({k for d in per_mb for k in d}) if is_last_stage else []
+    if dist.is_initialized():  # every rank must agree on the keys (non-last stages have none)
+        gathered: list = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, keys, group=pp_group)
+        keys = max(gathered, key=len)
+    inf = float("inf")
+    mean = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    lo = torch.full((len(keys),), inf, dtype=torch.float64)
+    hi = torch.full((len(keys),), -inf, dtype=torch.float64)
+    if is_last_stage and per_mb:
+        for d in per_mb:
+            for j, k in enumerate(keys):
+                v = float(d[k])
+                mean[j] += v
+                lo[j], hi[j] = min(lo[j], v), max(hi[j], v)
+        mean[-1] = len(per_mb)
+    if dist.is_initialized():
+        for group in (dp_group, pp_group):
+            dist.all_reduce(mean, group=group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    n = max(float(mean[-1]), 1.0)
+    out = {}
+    for j, k in enumerate(keys):
+        out[k] = float(lo[j]) if k.endswith("_min") else float(hi[j]) if k.endswith("_max") else float(mean[j]) / n
+    return out
+
+
+def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: Callable, aggregation: str,
+                  micro_batch_size: int, updates: int = 1) -> list[dict[str, float]]:
+    """`updates` optimizer steps on this data-parallel rank's share of a rollout batch.
+
+    With updates > 1 the batch is split into that many equal parts (one optimizer step each) and
+    pi_old is the policy before the first step (computed once, forward only), so PPO clipping
+    applies from the second part on; with updates == 1 the loss is the plain token-IS objective.
+    Returns one metrics dict per optimizer step (identical on every rank).
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    dp_group, pp_group = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
+    dp = ps.get_data_parallel_world_size()
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    mbs = split_microbatches(batch, micro_batch_size)
+    if len(mbs) % updates:
+        raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
+    logp_old: Optional[list[torch.Tensor]] = None
+    if updates > 1:
+        captured: list[torch.Tensor] = []
+        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured)
+        with torch.no_grad():
+            run_schedule(chunks, fs, mbs, forward_only=True)
+        # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
+        logp_old = captured if last else [torch.zeros_like(mb.logp_infer_BS) for mb in mbs]
+    per_update = len(mbs) // updates
+    history = []
+    for u in range(updates):
+        part = mbs[u * per_update:(u + 1) * per_update]
+        part_batch = _concat(part)
+        denom = global_denominator(part_batch, aggregation, dp_group)
+        if denom == 0:
+            continue  # no trained token anywhere in this part: nothing to learn from
+        old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
+        fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old)
+        for m in chunks:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = run_schedule(chunks, fs, part, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        metrics = reduce_metrics(out, pp_group, dp_group, last)
+        metrics["grad_norm"] = float(grad_norm)
+        history.append(metrics)
+    return history
+
+
+def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
+    cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+    return RolloutBatch(cat([p.tokens_BS for p in parts]), cat([p.targets_BS for p in parts]),
+                        cat([p.logp_infer_BS for p in parts]), cat([p.mask_BS for p in parts]),
+                        cat([p.advantages_B for p in parts]), cat([p.routed_experts_BSLK for p in parts]))
+

@@ -1,0 +1,20 @@
+"""GRPO policy step on Megatron (1 process): the loss equals the recipe's objective computed
+independently in float64, and micro-batching does not change the loss or the gradient norm."""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def test_policy_update_matches_float64_objective(tmp_path):
+    from _mp import run_spawned
+    from _policy_step_worker import worker
+
+    out = tmp_path / "r.json"
+    run_spawned(worker, 1, [], str(out))
+    r = json.loads(out.read_text())
+    exp = r["expected_loss"]
+    for mbs in ("4", "1"):
+        assert abs(r[mbs]["loss"] - exp) <= 1e-5 * max(1.0, abs(exp)), (mbs, r)
+    assert abs(r["4"]["grad_norm"] - r["1"]["grad_norm"]) <= 1e-5 * r["4"]["grad_norm"], r
