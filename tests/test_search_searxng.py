@@ -66,9 +66,18 @@ class FakeSearxng:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        async def shutdown():
+            await self.runner.cleanup()
+            # Handlers still sleeping for clients that timed out: cancel them before the loop stops.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")
