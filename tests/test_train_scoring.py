@@ -1,0 +1,54 @@
+"""Rollouts -> reward inputs: r_base for QA and rubric items, lengths, preference, counts."""
+import pytest
+import torch
+
+from megatron_search.data.mix import MixItem
+from megatron_search.rollout.types import Rollout, Segment
+from megatron_search.train.scoring import ReferenceAnswer, score_rollouts
+
+
+def ro(answer, model_tokens, calls=0, failed=0):
+    n = 2 + model_tokens
+    return Rollout(prompt_len=2, token_ids=list(range(n)), logprobs=[0.0] * n, loss_mask=[0, 0] + [1] * model_tokens,
+                   segments=[Segment(0, 2, "prompt"), Segment(2, n, "model", "v")], tool_calls=calls,
+                   failed_executions=failed, broken_calls={}, final_answer=answer, stop_reason="answer")
+
+
+class LengthRatioScorer:
+    """A test double: prefers the shorter answer, so the expected s is known in the test."""
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, prompts, answers, ref_answers):
+        self.calls.append((list(answers), list(ref_answers)))
+        return torch.tensor([len(r) / (len(a) + len(r)) for a, r in zip(answers, ref_answers)])
+
+
+def test_qa_and_rubric_items():
+    qa = MixItem("q1", "qa", "qa", [{"role": "user", "content": "Who wrote X?"}], answers=["Ada Quill"])
+    rub = MixItem("r1", "rubric", "rubric", [{"role": "user", "content": "Fix: u r late"}],
+                  rubrics=['The answer contains "you"', 'The answer has no "u"'])
+    items = [qa, qa, rub, rub]
+    rollouts = [ro("It was Ada Quill.", 5, calls=2, failed=1), ro("Bob", 3, calls=1), ro("you are late", 4),
+                ro("u are late", 4), ]
+    refs = [ReferenceAnswer("Ada", 6)] * 2 + [ReferenceAnswer("you're late", 7)] * 2
+    scorer = LengthRatioScorer()
+    s = score_rollouts(items, rollouts, [0, 0, 1, 1], refs, scorer, "substring")
+    assert s.r_base.tolist() == [1, 0, 1, 0]
+    assert s.tool_calls.tolist() == [2, 1, 0, 0] and s.failed_calls.tolist() == [1, 0, 0, 0]
+    assert s.lengths.tolist() == [5, 3, 4, 4] and s.ref_lengths.tolist() == [6, 6, 7, 7]
+    assert torch.allclose(s.s, torch.tensor([3 / 20, 3 / 6, 11 / 23, 11 / 21]))
+    assert scorer.calls[0][1] == ["Ada", "Ada", "you're late", "you're late"]
+
+
+def test_missing_answer_scores_zero_and_unjudgeable_rubric_is_an_error():
+    qa = MixItem("q", "qa", "qa", [], answers=["Zed"])
+    s = score_rollouts([qa], [ro(None, 3)], [0], [ReferenceAnswer("Zed", 1)], LengthRatioScorer(), "exact")
+    assert s.r_base.tolist() == [0]
+    rub = MixItem("r", "rubric", "rubric", [], rubrics=["The tone is warm and friendly"])
+    with pytest.raises(ValueError, match="needs an LLM judge"):
+        score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], LengthRatioScorer(), "exact")
+    judged = score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], LengthRatioScorer(), "exact",
+                            judge=lambda rubric, answer: True)
+    assert judged.r_base.tolist() == [1]
