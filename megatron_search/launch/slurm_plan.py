@@ -47,32 +47,21 @@ class LaunchPlan:
 
 
 def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str) -> list[str]:
-    """argv of `python -m sglang.launch_server` for one engine (token-in/token-out, memory saver when
-    colocated, routed experts returned when routing replay is on)."""
-    sg = cfg.rollout.sglang
-    argv = [
-        "python", "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--tp-size", str(sg.tp),
-        "--ep-size", str(sg.ep),
-        "--dp-size", str(sg.dp),
-        "--host", "0.0.0.0",  # other nodes must reach it; the cluster network is private
-        "--port", str(port),
-        "--mem-fraction-static", str(sg.mem_fraction_static),
-        "--skip-tokenizer-init",
-        "--trust-remote-code",
-    ]
+    """argv of one SGLang server process for the cluster: rollout/sglang.py's command, reachable from
+    the training nodes (0.0.0.0 on the cluster's private network), spread over `nnodes` nodes, and
+    with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync)."""
+    from megatron_search.rollout.sglang import sglang_command
+
+    colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
+    sg = cfg.rollout.sglang.model_copy(update={
+        "host": "0.0.0.0", "enable_memory_saver": colocated and cfg.rollout.sglang.enable_memory_saver})
+    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed)
+    argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
-    if cfg.rollout.mode == "colocated":
-        argv.append("--enable-memory-saver")
-    if cfg.model.checkpoint is None:
-        # No HF weights to read: the engine starts with dummy weights and receives the policy's
-        # weights from Megatron before the first rollout (weight sync at step 0).
+    if cfg.model.checkpoint is None and not cfg.rollout.sglang.model_path:
         argv += ["--load-format", "dummy"]
-    if cfg.grpo.routing_replay:
-        argv.append("--enable-return-routed-experts")
-    return argv + list(sg.extra_args)
+    return argv
 
 
 def make_launch_plan(
@@ -108,7 +97,7 @@ def make_launch_plan(
                 f"rollout.sglang: an engine of {gpus_per_engine} GPUs must fill whole nodes of {per_node} GPUs "
                 f"or divide one"
             )
-        model = cfg.model.checkpoint or cfg.model.hf_config
+        model = cfg.rollout.sglang.model_path or cfg.model.checkpoint or cfg.model.hf_config
         port = cfg.rollout.sglang.base_port
         if gpus_per_engine >= per_node:
             span = gpus_per_engine // per_node
