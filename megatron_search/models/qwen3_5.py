@@ -226,3 +226,37 @@ def layer_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int | None):
     else:
         final_norm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=final_norm)
+
+
+def gdn_sections(config) -> dict[str, list[int]]:
+    """Row sections of the fused GDN tensors (full, unsharded): in_proj [q|k|v|z|b|a], conv1d [q|k|v]."""
+    qk = config.linear_key_head_dim * config.linear_num_key_heads
+    v = config.linear_value_head_dim * config.linear_num_value_heads
+    nv = config.linear_num_value_heads
+    return {"in_proj": [qk, qk, v, v, nv, nv], "conv1d": [qk, qk, v]}
+
+
+def tp_slice(name: str, full: torch.Tensor, rank: int, size: int, config) -> torch.Tensor | None:
+    """Rank's tensor-parallel shard of the GDN tensors (reshard hook); None: the default rule applies.
+
+    Megatron's GDN holds, per TP rank, its slice of *each* section of in_proj ([q_r|k_r|v_r|z_r|b_r|a_r])
+    and of conv1d ([q_r|k_r|v_r]); A_log and dt_bias are contiguous per value head. These three are
+    marked tensor-parallel without a `partition_dim`, so the generic rule cannot shard them.
+    """
+    if ".self_attention." not in name:
+        return None
+    leaf = name.rsplit(".self_attention.", 1)[1]
+    if leaf in ("A_log", "dt_bias"):
+        sections = [full.shape[0]]
+    elif leaf in ("in_proj.weight", "conv1d.weight"):
+        sections = gdn_sections(config)[leaf.split(".")[0]]
+    else:
+        return None
+    if sum(sections) != full.shape[0]:
+        raise ProviderError(f"{name}: {full.shape[0]} rows, expected sections {sections}")
+    parts = []
+    for part in torch.split(full, sections, dim=0):
+        if part.shape[0] % size:
+            raise ProviderError(f"{name}: section of {part.shape[0]} rows is not divisible by TP={size}")
+        parts.append(torch.chunk(part, size, dim=0)[rank])
+    return torch.cat(parts, dim=0)
