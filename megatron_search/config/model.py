@@ -20,6 +20,12 @@ class ModelConfig(Section):
         "resolve against the repository root, then the current directory.",
     )
     checkpoint: Optional[str] = Field(None, description="HF safetensors directory to initialise from")
+    tokenizer: str = Field(
+        "qwen",
+        description="'qwen' = the real Qwen2/3 BPE (shipped in qwen-agent); else a tokenizer.json path "
+        "(the tiny demo trains its own with `megatron-search train-tokenizer`)",
+    )
+    chat_style: Literal["qwen3", "qwen3_5"] = Field("qwen3", description="tool-call syntax of the chat format")
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
