@@ -38,3 +38,8 @@ class GRPOConfig(Section):
         None, description="constant L_norm of seq_mean_token_sum_norm (e.g. the generation limit); None = padded width"
     )
     routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")
+    reference_urls: list[str] = Field(
+        default_factory=list,
+        description="engine(s) serving the frozen reference model whose answers s is measured against "
+        "(RECIPE 5.1); empty = an in-process CPU engine holding the initial policy",
+    )

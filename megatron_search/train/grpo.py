@@ -1,0 +1,248 @@
+"""On-policy GRPO with token-level importance sampling (RECIPE section 3), end to end.
+
+Per step: sample prompts from the 90/10 mix, roll out G episodes each through the search agent,
+score them (r_base, preference s against the reference answer, anchored penalties, gated R),
+compute group advantages, train the policy with the token-IS loss, push the new weights to the
+engines. The first training rank drives the engines (train/grpo_driver.py); every rank trains.
+
+Groups that carry no signal (every rollout got the same reward, so every advantage is 0; this
+includes groups whose rollouts all failed) are left out of the training batch: they would add
+nothing to the gradient but would count in the sequence-mean denominator. The batch is then
+trimmed to a multiple of (DP x micro-batch x updates_per_batch) rollouts, dropping from the end;
+both counts are logged (train/zero_signal_groups, train/trimmed_rollouts). A step with no signal
+at all takes no optimizer step but still advances the step counter.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_search.rewards.batch import compute_rewards_from_config, reward_generator
+from megatron_search.rl.advantages import group_advantages
+from megatron_search.rl.registry import build_policy_loss
+
+from .grpo_metrics import rollout_metrics
+from .metrics import MetricsWriter, format_line
+from .policy_step import policy_update
+from .rollout_batch import RolloutBatch, pack_rollouts
+from .scoring import score_rollouts
+from .signals import StopRequest
+
+REFERENCE_WEIGHTS = "reference_weights"
+
+
+class GRPORun:
+    """Everything one GRPO run holds; `run_grpo` is the loop over it."""
+
+    def __init__(self, cfg, ctx):
+        from megatron.core import parallel_state as ps
+
+        from .core import Trainer
+
+        self.cfg, self.ctx = cfg, ctx
+        self.out = Path(cfg.run.output_dir)
+        self.is_driver = dist.get_rank() == 0
+        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps)
+        self.dp = ps.get_data_parallel_world_size()
+        self.policy_loss = build_policy_loss(cfg.grpo)
+        self.stop = StopRequest()
+        self.driver = self.sampler = self.preference = None
+        self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
+        extra = self.trainer.resume()
+        if self.is_driver:
+            self._build_driver(extra)
+        self.resumed = bool(extra)
+
+    def _build_driver(self, extra: dict) -> None:
+        from .grpo_data import build_mix_sampler
+        from .grpo_driver import RolloutDriver, build_engines
+        from .grpo_preference import build_preference
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        engines, servers = build_engines(self.cfg, self.out)
+        reference = None
+        if not self.cfg.grpo.reference_urls:
+            from megatron_search.rollout.local import LocalEngine
+
+            reference = LocalEngine.from_config(self.cfg)
+        else:
+            from megatron_search.rollout.sglang import SGLangClient
+
+            reference = SGLangClient(self.cfg.grpo.reference_urls[0])
+        self.driver = RolloutDriver(self.cfg, self.out, engines, reference, servers)
+        self.sampler = build_mix_sampler(self.cfg)
+        if "sampler" in extra:
+            self.sampler.load_state_dict(extra["sampler"])
+        self.preference = build_preference(self.cfg)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, first: bool) -> dict[str, float]:
+        """Export the policy (collective) and push it to the engines; on a fresh run's first sync the
+        reference engine gets the same (initial) weights, which are also saved for resumes."""
+        from megatron_search.weights.export import export_hf_weights
+
+        t0 = time.perf_counter()
+        buckets = export_hf_weights(self.trainer.model, self.cfg.model.architecture,
+                                    self.cfg.rollout.weight_bucket_mb << 20, groups=self.ctx.groups)
+        version = str(self.trainer.iteration)
+        sent = 0
+        if self.is_driver:
+            ref_dir = self.out / REFERENCE_WEIGHTS
+            init_reference = first and self.cfg.grpo.reference_urls == [] and not self.resumed
+            saver = _SafetensorsSaver(ref_dir) if init_reference else None
+            sent = self.driver.push_weights(saver.tee(buckets) if saver else buckets, version,
+                                            include_reference=init_reference)
+            if saver:
+                saver.finish()
+            elif first and not self.cfg.grpo.reference_urls:
+                if not (ref_dir / "model.safetensors").is_file():
+                    raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
+                self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
+        else:
+            for _ in buckets:  # the exporter is collective: every rank walks it
+                pass
+        dt = time.perf_counter() - t0
+        return {"time/weight_sync_s": dt, "weight_sync/GB": sent / 1e9}
+
+    # ------------------------------------------------------------------ one step
+    def make_batch(self, step: int) -> tuple[Optional[RolloutBatch], dict[str, float]]:
+        """Driver only: rollouts -> rewards -> advantages -> packed batch (None when no signal)."""
+        cfg, m = self.cfg, {}
+        t0 = time.perf_counter()
+        items = self.sampler.take(cfg.grpo.prompts_per_step)
+        col = self.driver.collect(items, step)
+        t1 = time.perf_counter()
+        refs = self.driver.reference_answers(col.items)
+        scores = score_rollouts(col.items, col.rollouts, col.group_ids, refs, self.preference,
+                                cfg.reward.answer_match)
+        rewards = compute_rewards_from_config(scores, cfg.reward, reward_generator(cfg.reward.seed, step))
+        adv = group_advantages(rewards.reward.float(), scores.group_ids, std_normalize=cfg.grpo.advantage_std_normalize,
+                               eps=cfg.grpo.advantage_eps, unbiased=cfg.grpo.advantage_std_unbiased)
+        t2 = time.perf_counter()
+        m.update(rewards.metrics(scores))
+        m.update(rollout_metrics(col, scores, rewards, adv))
+        m["rollout/failed"] = float(col.failed)
+        m["time/rollout_s"], m["time/reward_s"] = t1 - t0, t2 - t1
+        n_roll = len(col.rollouts)
+        m["perf/rollouts_per_s"] = n_roll / max(t1 - t0, 1e-9)
+        m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
+        signal = _signal_groups(adv, scores.group_ids)
+        keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
+        m["train/zero_signal_groups"] = float((~signal).sum())
+        unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch
+        trimmed = len(keep) % unit
+        keep = keep[: len(keep) - trimmed]
+        m["train/trimmed_rollouts"] = float(trimmed)
+        if not keep:
+            return None, m
+        pad_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+        batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(),
+                              pad_id=self.driver.encoder.tokenizer.pad_id, pad_multiple=pad_multiple,
+                              with_routed_experts=cfg.grpo.routing_replay)
+        return batch, m
+
+    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        t0 = time.perf_counter()
+        n = batch.size // self.dp
+        r = ps.get_data_parallel_rank()
+        local = batch.slice(r * n, (r + 1) * n)
+        lr = self.trainer.current_lr
+        self.trainer._set_lr(lr)  # noqa: SLF001 (core exposes no public setter yet)
+        history = policy_update(self.trainer.ddp, self.trainer.optimizer, local, policy_loss=self.policy_loss,
+                                aggregation=self.cfg.grpo.loss_aggregation,
+                                micro_batch_size=self.cfg.grpo.micro_batch_size,
+                                updates=self.cfg.grpo.updates_per_batch)
+        dt = time.perf_counter() - t0
+        out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}
+        out["train/lr"] = lr
+        out["time/train_s"] = dt
+        out["perf/train_tokens_per_s"] = float(batch.mask_BS.sum()) / max(dt, 1e-9)
+        return out
+
+
+def _signal_groups(adv: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    k = int(group_ids.max()) + 1
+    nonzero = torch.zeros(k, dtype=torch.bool)
+    nonzero.index_put_((group_ids,), adv != 0, accumulate=True)
+    return nonzero
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class _SafetensorsSaver:
+    """Keeps a copy of exported buckets as one safetensors file (the frozen reference's weights)."""
+
+    def __init__(self, out_dir: Path):
+        self.dir = out_dir
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def tee(self, buckets):
+        for bucket in buckets:
+            for name, t in bucket:
+                self.tensors[name] = t.detach().clone().contiguous()
+            yield bucket
+
+    def finish(self) -> None:
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / "model.safetensors.tmp"
+        save_file(self.tensors, str(tmp))
+        tmp.replace(self.dir / "model.safetensors")
+        self.tensors.clear()
+
+
+def run_grpo(cfg) -> dict[str, float]:
+    """The GRPO loop; returns the last step's metrics."""
+    from megatron_search.distributed import init_distributed
+
+    ctx = init_distributed(cfg)
+    run = GRPORun(cfg, ctx)
+    last: dict[str, float] = {}
+    try:
+        sync = run.sync_weights(first=True)
+        while run.trainer.iteration < cfg.grpo.steps and not run.stop.requested:
+            step = run.trainer.iteration
+            batch, metrics = run.make_batch(step) if run.is_driver else (None, {})
+            batch = _broadcast(batch)
+            if batch is not None:
+                metrics.update(run.train_on(batch))
+            else:
+                run.trainer.iteration += 1  # no signal: no update, but the step is spent
+            sync = run.sync_weights(first=False)
+            metrics.update(sync)
+            last = metrics
+            if run.is_driver:
+                run.writer.scalars(step, metrics)
+                if step % cfg.logging.log_interval == 0:
+                    print(format_line(step, metrics, ["reward/mean", "reward/r_base", "reward/tool_calls",
+                                                      "train/loss", "train/grad_norm", "train/mismatch_kl_k3",
+                                                      "time/rollout_s", "time/train_s"]), flush=True)
+            if run.trainer.should_save():
+                run.trainer.save(extra=_broadcast(_driver_extra(run)))
+        if run.stop.requested:
+            run.trainer.save(extra=_broadcast(_driver_extra(run)))
+            if run.is_driver:
+                print(f"grpo: signal {run.stop.signum}: checkpoint saved at step {run.trainer.iteration}", flush=True)
+    finally:
+        run.writer.close()
+        if run.driver is not None:
+            run.driver.close()
+        run.stop.restore()
+        ctx.teardown()
+    return last
+
+
+def _driver_extra(run: GRPORun) -> dict:
+    return {"sampler": run.sampler.state_dict()} if run.is_driver else {}

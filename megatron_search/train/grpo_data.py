@@ -1,0 +1,32 @@
+"""The GRPO prompt source: the 90/10 mix of RECIPE 4.3 over the configured datasets."""
+from __future__ import annotations
+
+from megatron_search.data.jsonl import read_jsonl
+from megatron_search.data.mix import MixSampler, qa_item, rubric_item
+from megatron_search.data.records import QARecord
+
+
+def build_mix_sampler(cfg) -> MixSampler:
+    """A MixSampler over data.qa_path (QA records) and data.rubric_path (rubric rows), weighted by
+    data.mix. Every dataset the mix names must have a path and at least one train item."""
+    d = cfg.data
+    paths = {"qa": d.qa_path, "rubric": d.rubric_path}
+    datasets = {}
+    for name, weight in d.mix.items():
+        if name not in paths:
+            raise ValueError(f"data.mix: unknown dataset {name!r} (known: qa, rubric)")
+        if weight <= 0:
+            continue
+        if not paths[name]:
+            raise ValueError(f"data.mix gives {name!r} weight {weight} but data.{name}_path is not set "
+                             f"(set it, or drop {name!r} from data.mix)")
+        if name == "qa":
+            recs = [QARecord.from_dict(r, f"{d.qa_path}:{i + 1}") for i, r in enumerate(read_jsonl(d.qa_path))]
+            items = [qa_item(r) for r in recs if r.split == "train"]
+        else:
+            items = [rubric_item(r) for r in read_jsonl(d.rubric_path) if r.get("split", "train") == "train"]
+        if not items:
+            raise ValueError(f"data.{name}_path: no train items in {paths[name]}")
+        datasets[name] = items
+    weights = {k: v for k, v in d.mix.items() if k in datasets}
+    return MixSampler(datasets, weights, seed=d.seed)

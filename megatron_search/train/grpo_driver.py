@@ -1,0 +1,182 @@
+"""Rank 0's side of a GRPO step: engines, search agents, reference answers, preference scores.
+
+The driver owns everything that talks to rollout engines. It runs on the first training rank
+(the other ranks wait for the packed batch), with one asyncio loop for its lifetime so the
+in-process CPU engine's scheduler and the HTTP clients live on one loop.
+
+Engines (rollout section): `engine_urls` -> HTTP clients (SGLang servers or local engine
+servers, same API); else `engine: local` -> the in-process CPU engine; else `engine: sglang`
+-> launch `num_engines` SGLang servers. Rollouts are spread over engines round-robin by task.
+
+Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
+same prompt) come from a frozen reference engine holding the initial policy, generated once per
+prompt and cached in <output_dir>/reference_answers.jsonl, so a resumed run reuses them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tqdm import tqdm
+
+from megatron_search.data.mix import MixItem
+from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
+from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.engine import Engine
+from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
+from megatron_search.rollout.types import Rollout
+from megatron_search.search.tool import SearchTool
+
+from .scoring import ReferenceAnswer
+
+
+def build_encoder(cfg) -> ChatEncoder:
+    return ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(style=cfg.model.chat_style))
+
+
+def build_engines(cfg, output_dir: Path) -> tuple[list[Engine], list]:
+    """(engines, server processes to stop at the end)."""
+    from megatron_search.rollout.sglang import SGLangClient, launch_sglang_servers
+
+    r = cfg.rollout
+    timeout = r.sglang.request_timeout_s
+    if r.engine_urls:
+        return [SGLangClient(u, timeout_s=timeout, tp_size=r.sglang.tp) for u in r.engine_urls], []
+    if r.engine == "local":
+        from megatron_search.rollout.local import LocalEngine
+
+        if r.num_engines != 1:
+            raise ValueError("rollout.num_engines: the in-process CPU engine runs once; start local engine "
+                             "servers and list them in rollout.engine_urls for more")
+        return [LocalEngine.from_config(cfg)], []
+    servers = launch_sglang_servers(cfg, output_dir / r.sglang.log_dir)
+    return [SGLangClient(s.url, timeout_s=timeout, tp_size=r.sglang.tp) for s in servers], servers
+
+
+@dataclass
+class Collected:
+    """Rollouts of one step, flattened group by group (group ids contiguous from 0)."""
+
+    items: list[MixItem]  # the prompt item of each rollout
+    rollouts: list[Rollout]
+    group_ids: list[int]
+    failed: int  # rollouts lost to engine errors (their groups are ragged)
+
+
+class RolloutDriver:
+    def __init__(self, cfg, output_dir: Path, engines: list[Engine], reference: Optional[Engine],
+                 servers: Sequence = ()):
+        self.cfg = cfg
+        self.loop = asyncio.new_event_loop()
+        self.encoder = build_encoder(cfg)
+        self.tool = SearchTool.from_config(cfg.search)
+        settings = AgentSettings.for_training(cfg)
+        self.engines = engines
+        self.agents = [SearchAgent(e, self.encoder, self.tool, settings) for e in engines]
+        self.reference = None if reference is None else SearchAgent(
+            reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
+        self.reference_engine = reference
+        self.servers = list(servers)
+        self.cache_path = output_dir / "reference_answers.jsonl"
+        self.cache: dict[str, ReferenceAnswer] = {}
+        if self.cache_path.is_file():
+            for line in self.cache_path.read_text().splitlines():
+                d = json.loads(line)
+                self.cache[d["id"]] = ReferenceAnswer(d["answer"], d["generated_tokens"])
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    # ------------------------------------------------------------------ rollouts
+    async def _gather(self, agents_and_tasks, desc: str) -> list:
+        gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
+        bar = tqdm(total=len(agents_and_tasks), desc=desc, unit="rollout", leave=False,
+                   disable=not self.cfg.logging.progress_bars)
+
+        async def one(agent: SearchAgent, task: AgentTask):
+            async with gate:
+                try:
+                    return await agent.run(task)
+                except Exception as e:  # an engine failure loses this rollout, not the step
+                    return e
+                finally:
+                    bar.update(1)
+
+        try:
+            return await asyncio.gather(*(one(a, t) for a, t in agents_and_tasks))
+        finally:
+            bar.close()
+
+    def collect(self, items: Sequence[MixItem], step: int) -> Collected:
+        """G rollouts per item; rollouts whose engine call failed are dropped and counted."""
+        g = self.cfg.grpo.group_size
+        jobs = []
+        for j, item in enumerate(items):
+            for k in range(g):
+                seed = (self.cfg.run.seed * 1_000_003 + step) * 100_003 + j * g + k
+                agent = self.agents[(j * g + k) % len(self.agents)]
+                jobs.append((agent, AgentTask(item.messages, seed=seed, metadata={"id": item.id, "kind": item.kind})))
+        results = self.run(self._gather(jobs, f"rollouts step {step}"))
+        out = Collected([], [], [], 0)
+        group = -1
+        for j, item in enumerate(items):
+            kept = [r for r in results[j * g:(j + 1) * g] if isinstance(r, Rollout)]
+            out.failed += g - len(kept)
+            if not kept:
+                continue
+            group += 1
+            out.items += [item] * len(kept)
+            out.rollouts += kept
+            out.group_ids += [group] * len(kept)
+        if group < 0:
+            errors = [r for r in results if not isinstance(r, Rollout)]
+            raise RuntimeError(f"every rollout of step {step} failed; first error: {errors[0]!r}")
+        return out
+
+    # ------------------------------------------------------------------ reference answers
+    def reference_answers(self, items: Sequence[MixItem]) -> list[ReferenceAnswer]:
+        """The frozen reference model's answer to each item (generated once per prompt id)."""
+        missing = list({it.id: it for it in items if it.id not in self.cache}.values())
+        if missing:
+            if self.reference is None:
+                raise RuntimeError("reference answers needed but no reference engine is configured")
+            jobs = [(self.reference, AgentTask(it.messages, seed=self.cfg.run.seed, metadata={"id": it.id}))
+                    for it in missing]
+            results = self.run(self._gather(jobs, "reference answers"))
+            with self.cache_path.open("a") as f:
+                for it, r in zip(missing, results):
+                    if not isinstance(r, Rollout):
+                        raise RuntimeError(f"reference rollout for {it.id} failed: {r!r}")
+                    ref = ReferenceAnswer(r.final_answer or "", r.num_model_tokens)
+                    self.cache[it.id] = ref
+                    f.write(json.dumps({"id": it.id, "answer": ref.answer, "generated_tokens": ref.generated_tokens}) + "\n")
+        return [self.cache[it.id] for it in items]
+
+    # ------------------------------------------------------------------ weights
+    def push_weights(self, buckets, version: str, include_reference: bool = False) -> int:
+        """Send HF-named buckets (consumed one at a time: peak extra memory is one bucket) to every
+        policy engine, and to the reference engine when asked; returns the bytes sent."""
+        targets = list(self.engines)
+        if include_reference and self.reference_engine is not None:
+            targets.append(self.reference_engine)
+        sent = 0
+        for bucket in buckets:
+            for engine in targets:
+                self.run(engine.update_weights_from_tensor(bucket, weight_version=version, flush_cache=False))
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        for engine in targets:  # cached prefixes were computed with the old weights
+            self.run(engine.flush_cache())
+        return sent
+
+    def close(self) -> None:
+        for e in list(self.engines) + ([self.reference_engine] if self.reference_engine else []):
+            try:
+                self.run(e.close())
+            except Exception:  # closing is best effort; the process is ending
+                pass
+        for s in self.servers:
+            s.stop()
+        self.loop.close()
