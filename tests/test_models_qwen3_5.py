@@ -175,9 +175,29 @@ def _worker(rank: int, out_file: str) -> None:
             or p.grad.abs().sum() == 0
         )
         result["n_params"] = sum(1 for _ in model.parameters())
+        result.update(_mtp_run(Path(out_file).parent, ids, pos, labels))
         Path(out_file).write_text(json.dumps(result))
     finally:
         ctx.teardown()
+
+
+def _mtp_run(tmp: Path, ids, pos, labels) -> dict:
+    """Same tiny model with one MTP layer (model.mtp=true): builds, trains, MTP params get gradients."""
+    from megatron_search.models.provider import build_model
+
+    raw = _hf_raw()
+    raw["text_config"]["mtp_num_hidden_layers"] = 1
+    (tmp / "mtp").mkdir(exist_ok=True)
+    (tmp / "mtp" / "config.json").write_text(json.dumps(raw))
+    model = build_model(config_from_dict({"model": {"hf_config": str(tmp / "mtp"), "mtp": True}}))
+    loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels).float().mean()
+    loss.backward()
+    mtp = [(n, p) for n, p in model.named_parameters() if n.startswith("mtp.")]
+    return {
+        "mtp_loss": loss.item(),
+        "mtp_param_names": sorted({n.split(".transformer_layer.")[-1] if ".transformer_layer." in n else n for n, _ in mtp}),
+        "mtp_no_grad": sorted(n for n, p in mtp if p.grad is None or p.grad.abs().sum() == 0),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +221,13 @@ def test_forward_backward_finite_and_every_parameter_gets_a_gradient(one_process
     assert math.isfinite(r["loss"]) and r["n_params"] > 50
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-4 * r["ref_loss"]
     assert r["no_grad"] == []
+
+
+def test_mtp_layer_builds_and_trains(one_process_run):
+    r = one_process_run
+    assert math.isfinite(r["mtp_loss"]) and r["mtp_no_grad"] == []
+    names = r["mtp_param_names"]
+    # enorm / hnorm / eh_proj over [embedding, hidden], then a gated-attention MoE layer, then a norm.
+    for want in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
+                 "self_attention.linear_qkv.weight", "mlp.shared_experts.gate_weight", "mtp.layers.0.final_layernorm.weight"):
+        assert want in names, (want, names)

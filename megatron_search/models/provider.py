@@ -84,6 +84,9 @@ def build_model(cfg, pre_process: bool | None = None, post_process: bool | None 
     post_process = last if post_process is None else post_process
     spec = module.layer_spec(config, use_te, vp_stage, ps.get_pipeline_model_parallel_rank())
     model_cls = getattr(module, "model_class", GPTModel)
+    extra = {}
+    if hasattr(module, "mtp_block_spec"):  # multi-token prediction (None when off or not on this stage)
+        extra["mtp_block_spec"] = module.mtp_block_spec(config, use_te, vp_stage)
     cpu_compat.rebind_new_modules()  # architecture modules may import more of Megatron
     model = model_cls(
         config=config,
@@ -92,6 +95,7 @@ def build_model(cfg, pre_process: bool | None = None, post_process: bool | None 
         post_process=post_process,
         vp_stage=vp_stage,
         **module.gpt_model_kwargs(hf, where),
+        **extra,
     )
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())

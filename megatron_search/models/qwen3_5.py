@@ -260,3 +260,41 @@ def tp_slice(name: str, full: torch.Tensor, rank: int, size: int, config) -> tor
             raise ProviderError(f"{name}: section of {part.shape[0]} rows is not divisible by TP={size}")
         parts.append(torch.chunk(part, size, dim=0)[rank])
     return torch.cat(parts, dim=0)
+
+
+def mtp_block_spec(config, use_te: bool, vp_stage: int | None):
+    """Multi-token-prediction block for this stage, or None (MTP off, or not on this stage).
+
+    Qwen3.5's MTP module (HF `mtp.*`): fc(cat[norm(embedding of token t+1), norm(hidden_t)]), one
+    gated full-attention MoE layer, final norm, the shared output layer. Megatron's
+    MultiTokenPredictionLayer has the same structure (enorm, hnorm, eh_proj on [embedding, hidden],
+    transformer layer, layer_norm); its transformer layer is our gated-attention layer spec.
+    """
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+        get_mtp_num_layers_to_build,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .norm import RMSNorm
+
+    if get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
+        return None
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as eh_proj
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        eh_proj, norm = ColumnParallelLinear, RMSNorm
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=eh_proj,
+            transformer_layer=_attention_layer_spec(config, use_te), layer_norm=norm,
+        ),
+    )
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
