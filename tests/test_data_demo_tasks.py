@@ -31,7 +31,7 @@ def test_one_hop_records_and_trajectories():
     for ex in examples:
         user, call, tool_msg, answer = ex.messages[1:]
         assert answer["content"] in tool_msg["content"]  # copied from real search results
-        subject = ex.metadata["qa_id"] and next(r for r in recs if r.id == ex.metadata["qa_id"]).metadata["subject"]
+        subject = next(r for r in recs if r.id == ex.metadata["qa_id"]).metadata["subject"]
         assert call["tool_calls"][0]["function"]["arguments"]["query"].startswith(subject)
         assert subject in user["content"]
         assert tool_msg["content"].startswith("[1] ")
