@@ -74,6 +74,29 @@ def test_gdn_kernels_routed_to_torch_on_cpu():
     assert gdn.l2norm is gdn_torch.l2norm
 
 
+def test_tp_slice_takes_each_gdn_section_per_rank():
+    from types import SimpleNamespace
+
+    from megatron_search.models import qwen3_5
+
+    # qk = 2 heads x 2, vd = 4 heads x 3, nv = 4: in_proj rows q 0-3, k 4-7, v 8-19, z 20-31, b 32-35, a 36-39
+    config = SimpleNamespace(linear_key_head_dim=2, linear_num_key_heads=2,
+                             linear_value_head_dim=3, linear_num_value_heads=4)
+    rows = torch.arange(40.0)[:, None]
+    name = "decoder.layers.0.self_attention.in_proj.weight"
+    rank1 = qwen3_5.tp_slice(name, rows, 1, 2, config)
+    want = [2, 3, 6, 7, *range(14, 20), *range(26, 32), 34, 35, 38, 39]
+    assert rank1[:, 0].tolist() == want
+    conv = torch.arange(20.0)[:, None, None]
+    rank0 = qwen3_5.tp_slice("decoder.layers.0.self_attention.conv1d.weight", conv, 0, 2, config)
+    assert rank0[:, 0, 0].tolist() == [0, 1, 4, 5, *range(8, 14)]
+    a_log = qwen3_5.tp_slice("decoder.layers.0.self_attention.A_log", torch.arange(4.0), 1, 2, config)
+    assert a_log.tolist() == [2, 3]
+    assert qwen3_5.tp_slice("decoder.layers.0.self_attention.out_proj.weight", rows, 0, 2, config) is None
+    with pytest.raises(ProviderError, match="sections"):
+        qwen3_5.tp_slice(name, torch.zeros(39, 1), 0, 2, config)
+
+
 # ---- HF -> Megatron conversion written from the layout facts --------------------------------------
 
 def hf_to_megatron(sd: dict, text: dict) -> dict:
