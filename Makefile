@@ -10,7 +10,7 @@ install-dev:
 	bash scripts/install.sh --dev
 
 demo: install
-	megatron-search demo
+	megatron-search smoke configs/tiny_cpu.yaml
 
 test: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -4,7 +4,8 @@ at 1 process and on 2 gloo processes with TP=2 (sequence parallel), EP=2 and PP=
 Flow: a 1-process spawn builds each architecture's model, saves its full weights and records
 (loss, grad norm) of one Megatron optimizer step on a fixed batch; then one 2-process spawn runs
 every architecture x layout in turn, loading the full weights resharded by slicing (models/reshard.py) and
-recording the same two numbers. Add an architecture with one line in ARCHITECTURES.
+recording the same two numbers plus the worst per-parameter gradient error against the
+reference gradients (sliced the same way). Add an architecture with one line in ARCHITECTURES.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ARCHITECTURES = {
     "tiny_qwen3_5_moe": "configs/models/tiny_qwen3_5_moe",
 }
 LAYOUTS = {
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_sp": ["parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.ep=2"],
     "pp2": ["parallel.pp=2"],
 }
@@ -42,7 +43,35 @@ def _batch():
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def _one_step(cfg, full_state: dict | None, micro_batch: int) -> tuple[float, float, dict | None]:
+def _grads(ddp_chunks) -> dict[str, torch.Tensor]:
+    """Each parameter's reduced fp32 gradient after the step (identically clipped in every layout)."""
+    return {n.removeprefix("module."): p.main_grad.detach().clone() for m in ddp_chunks for n, p in m.named_parameters()}
+
+
+def _worst_grad_error(cfg, chunks, ddp_chunks, ref_grads: dict) -> tuple[float, str]:
+    """Largest |grad - reference shard| / max|reference tensor| over this rank's parameters.
+
+    Much stricter than the global norm: a gradient missing another rank's contribution
+    (a wrong reduction group) barely moves the norm but shows here.
+    """
+    from megatron_search.models import reshard
+    from megatron_search.models.provider import architecture_module
+
+    tp_slice = getattr(architecture_module(cfg)[0], "tp_slice", None)
+    worst, where = 0.0, ""
+    for v, (chunk, ddp) in enumerate(zip(chunks, ddp_chunks)):
+        ref_local = reshard.shard_full_state(chunk, ref_grads, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
+                                             tp_slice=tp_slice)
+        for name, p in ddp.named_parameters():
+            local = name.removeprefix("module.")
+            ref = ref_local[local]
+            err = float((p.main_grad - ref).abs().max()) / (float(ref.abs().max()) + 1e-12)
+            if err > worst:
+                worst, where = err, local
+    return worst, where
+
+
+def _one_step(cfg, full_state: dict | None, micro_batch: int, ref_grads: dict | None = None):
     from megatron_search.distributed.step import data_parallel_slice, make_optimizer, train_step, wrap_ddp
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
@@ -59,7 +88,11 @@ def _one_step(cfg, full_state: dict | None, micro_batch: int) -> tuple[float, fl
     ddp = wrap_ddp(cfg, chunks, chunks[0].config)
     optimizer = make_optimizer(cfg, ddp)
     loss, grad_norm = train_step(ddp, optimizer, data_parallel_slice(_batch()), micro_batch)
-    return loss, grad_norm, saved
+    result = {"loss": loss, "grad_norm": grad_norm}
+    if ref_grads is None:
+        return result, (saved, _grads(ddp))
+    result["grad_max_rel_err"], result["grad_worst_param"] = _worst_grad_error(cfg, chunks, ddp, ref_grads)
+    return result, None
 
 
 def reference_worker(rank: int, world: int, port: int, archs: list[str], out: str) -> None:
@@ -69,9 +102,9 @@ def reference_worker(rank: int, world: int, port: int, archs: list[str], out: st
     for arch in archs:
         cfg = _config(arch, [], 1)
         ctx = init_distributed(cfg, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
-        loss, grad_norm, saved = _one_step(cfg, None, MICRO_BATCH["reference"])
-        torch.save(saved, Path(out) / f"{arch}_full.pt")
-        (Path(out) / f"{arch}_reference.json").write_text(json.dumps({"loss": loss, "grad_norm": grad_norm}))
+        result, (weights, grads) = _one_step(cfg, None, MICRO_BATCH["reference"])
+        torch.save({"weights": weights, "grads": grads}, Path(out) / f"{arch}_full.pt")
+        (Path(out) / f"{arch}_reference.json").write_text(json.dumps(result))
         ctx.teardown()
 
 
@@ -84,13 +117,12 @@ def layouts_worker(rank: int, world: int, port: int, archs: list[str], out: str)
     env = DistEnv(rank, world, rank, "127.0.0.1", port, "torchrun")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     for arch in archs:
-        full = torch.load(Path(out) / f"{arch}_full.pt")
+        saved = torch.load(Path(out) / f"{arch}_full.pt")
         results = {}
         for name, overrides in LAYOUTS.items():
             cfg = _config(arch, overrides, world)
             ctx = init_distributed(cfg, env=env)  # reuses the group, re-creates Megatron's groups
-            loss, grad_norm, _ = _one_step(cfg, full, MICRO_BATCH[name])
-            results[name] = {"loss": loss, "grad_norm": grad_norm}
+            results[name], _ = _one_step(cfg, saved["weights"], MICRO_BATCH[name], saved["grads"])
             ctx.teardown()
         (Path(out) / f"{arch}_layouts_rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ import sys
 # Module names under megatron_search.cli, in the order `--help` shows them.
 COMMANDS = [
     "config_cmd",
+    "smoke",
     "plan_cmd",
     "launch_cmd",
     "data_cmd",

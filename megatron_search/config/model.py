@@ -5,7 +5,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from .base import Section
 from .hf import Architecture, architecture_from_hf, load_hf_config
@@ -62,10 +62,20 @@ class ParallelConfig(Section):
     vpp: Optional[PositiveInt] = Field(None, description="virtual pipeline stages per rank")
     cp: PositiveInt = 1
     ep: PositiveInt = 1
-    etp: PositiveInt = Field(1, description="expert tensor parallel size")
+    etp: PositiveInt = Field(
+        1, description="expert tensor parallel size; when not given it equals tp (Megatron-LM's default)"
+    )
     sequence_parallel: bool = False
     world_size: Optional[PositiveInt] = Field(
         None, description="expected world size; checked against TP*PP*CP*DP when given and at launch"
     )
     distributed_optimizer: bool = True
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _etp_defaults_to_tp(cls, data):
+        # With EP=1, ETP must equal TP (see layout_problems), so an unset ETP follows TP.
+        if isinstance(data, dict) and data.get("etp") is None and "tp" in data:
+            data = {**data, "etp": data["tp"]}
+        return data

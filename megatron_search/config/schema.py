@@ -16,6 +16,7 @@ from .hf import HFConfigError
 from .model import ModelConfig, ParallelConfig
 from .reward import RewardConfig
 from .rl import GRPOConfig
+from .rm import RMConfig
 from .rollout import RolloutConfig, SearchConfig
 from .training import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig, SFTConfig
 
@@ -28,6 +29,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     search: SearchConfig = Field(default_factory=SearchConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -88,6 +90,14 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
             out.append(f"parallel.tp: {arch.linear_num_value_heads} GDN value heads are not divisible by TP={p.tp}")
     if arch.num_experts > 0 and p.tp > 1 and not p.sequence_parallel:
         out.append("parallel.sequence_parallel: MoE with TP>1 needs sequence_parallel=true (Megatron-Core requirement)")
+    if arch.num_experts > 0 and p.ep == 1 and p.etp != p.tp:
+        # With EP=1 Megatron puts expert weights in the dense grad buffer (reduced over the dense DP
+        # group), but each rank's experts only see its own ETP x EP token share: with ETP != TP the
+        # expert gradients would silently miss the other TP ranks' tokens (seen on CPU, issue 2).
+        out.append(
+            f"parallel.etp: with EP=1, expert tensor parallel must equal TP (got ETP={p.etp}, TP={p.tp}); "
+            f"set parallel.etp={p.tp} or use EP>1"
+        )
     stages = p.pp * (p.vpp or 1)
     if p.vpp is not None and p.pp == 1:
         out.append("parallel.vpp: virtual pipeline stages need PP > 1")

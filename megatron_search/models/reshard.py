@@ -50,6 +50,15 @@ def _is_routed_expert(name: str) -> bool:
 def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, vp_stage: int | None = None,
                     tp_slice: Callable | None = None) -> None:
     """Copy this rank's shards of `full` (name -> full tensor) into `model`'s parameters."""
+    shards = shard_full_state(model, full, config, vp_stage, tp_slice)
+    with torch.no_grad():
+        for local, param in model.named_parameters():
+            param.copy_(shards[local.removeprefix("module.")])
+
+
+def shard_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, vp_stage: int | None = None,
+                     tp_slice: Callable | None = None) -> dict[str, torch.Tensor]:
+    """This rank's shard of every tensor in `full`, keyed by `model`'s local parameter names."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -59,22 +68,23 @@ def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], co
     expert_offset = ep_rank * (num_experts // ep_size) if num_experts else 0
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-    with torch.no_grad():
-        for local, param in model.named_parameters():
-            local = local.removeprefix("module.")
-            name = full_name(local, layer_offset, expert_offset)
-            if name not in full:
-                raise ReshardError(f"{name} (local {local}): not in the full state")
-            tensor = full[name]
-            if getattr(param, "tensor_model_parallel", False):
-                rank, size = etp if _is_routed_expert(name) else tp
-                custom = tp_slice(name, tensor, rank, size, config) if tp_slice is not None else None
-                tensor = custom if custom is not None else default_tp_slice(
-                    name, tensor, param.partition_dim, rank, size, bool(config.gated_linear_unit)
-                )
-            if tensor.shape != param.shape:
-                raise ReshardError(f"{name}: full-state shard {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
-            param.copy_(tensor)
+    out: dict[str, torch.Tensor] = {}
+    for local, param in model.named_parameters():
+        local = local.removeprefix("module.")
+        name = full_name(local, layer_offset, expert_offset)
+        if name not in full:
+            raise ReshardError(f"{name} (local {local}): not in the full state")
+        tensor = full[name]
+        if getattr(param, "tensor_model_parallel", False):
+            rank, size = etp if _is_routed_expert(name) else tp
+            custom = tp_slice(name, tensor, rank, size, config) if tp_slice is not None else None
+            tensor = custom if custom is not None else default_tp_slice(
+                name, tensor, param.partition_dim, rank, size, bool(config.gated_linear_unit)
+            )
+        if tensor.shape != param.shape:
+            raise ReshardError(f"{name}: full-state shard {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+        out[local] = tensor
+    return out
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
