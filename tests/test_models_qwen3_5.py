@@ -53,6 +53,16 @@ def test_mtp_requested_without_mtp_layers_is_an_error():
         qwen3_5.transformer_config_kwargs(_cfg(mtp=True), _hf_raw(), "tiny", use_te=False)
 
 
+def test_context_parallel_refused_on_megatron_without_gdn_cp():
+    from megatron_search.models import qwen3_5
+
+    if qwen3_5._megatron_version() >= qwen3_5.GDN_CONTEXT_PARALLEL_SINCE:
+        pytest.skip("this megatron-core has GDN context parallelism")
+    cfg = config_from_dict({"model": {"hf_config": str(TINY)}, "parallel": {"cp": 2}})
+    with pytest.raises(ProviderError, match="parallel.cp=2"):
+        qwen3_5.transformer_config_kwargs(cfg, _hf_raw(), "tiny", use_te=False)
+
+
 def test_non_periodic_layer_types_rejected():
     from megatron_search.models import qwen3_5
 

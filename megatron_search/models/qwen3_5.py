@@ -61,10 +61,27 @@ def _check_supported(c: dict[str, Any], where: str) -> None:
         raise ProviderError(f"{where}: mlp_only_layers (dense layers) is not supported")
 
 
+# Megatron-Core release that brings context parallelism to GatedDeltaNet (FACTS.md: 0.16.1 has none).
+GDN_CONTEXT_PARALLEL_SINCE = (0, 18)
+
+
+def _megatron_version() -> tuple[int, int]:
+    import megatron.core
+
+    major, minor = megatron.core.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def transformer_config_kwargs(cfg, hf: dict[str, Any], where: str, use_te: bool) -> dict[str, Any]:
     """Architecture fields of the Megatron TransformerConfig for a qwen3_5_moe config.json."""
     c = text_config(hf)
     _check_supported(c, where)
+    if cfg.parallel.cp > 1 and _megatron_version() < GDN_CONTEXT_PARALLEL_SINCE:
+        # 0.16's GatedDeltaNet would run each CP rank's sequence chunk from a zero state: silently wrong.
+        raise ProviderError(
+            f"parallel.cp={cfg.parallel.cp}: Gated DeltaNet layers have no context parallelism in "
+            f"megatron-core < {'.'.join(map(str, GDN_CONTEXT_PARALLEL_SINCE))}; use parallel.cp=1"
+        )
     heads = c["num_attention_heads"]
     kw = base_config_kwargs(cfg, c, use_te)
     kw.update(
