@@ -50,12 +50,11 @@ def online_stats_torch(
             m_safe = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
             hit, col = _target_in_tile(tgt, vocab_offset + c0, c1 - c0)
             st.xt.add_(torch.where(hit, x.gather(1, col[:, None]).squeeze(1), torch.zeros_like(m_new)))
-            d = x.sub_(m_safe[:, None])  # x - m, reusing the tile's buffer
-            e = torch.exp(d)
+            e = x.sub_(m_safe[:, None]).exp_()  # exp(x - m), reusing the tile's buffer
             st.s.copy_(s_old + e.sum(dim=1))
             if st.w is not None:
-                # exp(d) * d is 0 * -inf = NaN for -inf logits; their true contribution is 0.
-                st.w.copy_(w_old + torch.where(e > 0, e * d, torch.zeros_like(e)).sum(dim=1))
+                # e * (x - m) = e * log(e) = -entr(e); entr is 0 at e = 0 (logits of -inf)
+                st.w.copy_(w_old - torch.special.entr(e).sum(dim=1))
             st.m.copy_(m_new)
 
 
@@ -75,6 +74,8 @@ def write_grad_torch(
     """out[i, j] = g_logp_i * (1[j = t_i] - p_ij) - g_entropy_i * p_ij * (log p_ij + H_i).
 
     p_ij = exp(x_ij - lse_i). Terms with p = 0 (logit -inf) are 0. `out` may alias `logits`.
+    Computed as g_entropy * entr(p) - p * (g_logp + g_entropy * H) with entr(p) = -p log p, which
+    is exactly 0 at p = 0 and needs no log p tile.
     """
     n_rows, n_cols = logits.shape
     for r0 in range(0, n_rows, block_rows):
@@ -82,10 +83,12 @@ def write_grad_torch(
         tgt, g = targets[r0:r1], g_logp[r0:r1, None]
         for c0 in range(0, n_cols, block_cols):
             c1 = min(c0 + block_cols, n_cols)
-            logq = logits[r0:r1, c0:c1].to(torch.float32, copy=True).sub_(lse[r0:r1, None])  # log p
-            p = torch.exp(logq)
-            coef = g if g_entropy is None else g + g_entropy[r0:r1, None] * (logq + entropy[r0:r1, None])
-            grad = torch.where(p > 0, p.mul_(coef).neg_(), torch.zeros_like(p))
+            p = logits[r0:r1, c0:c1].to(torch.float32, copy=True).sub_(lse[r0:r1, None]).exp_()
+            if g_entropy is None:
+                grad = p.mul_(-g)
+            else:
+                g_ent = g_entropy[r0:r1, None]
+                grad = torch.special.entr(p).mul_(g_ent).sub_(p.mul_(g + g_ent * entropy[r0:r1, None]))
             hit, col = _target_in_tile(tgt, vocab_offset + c0, c1 - c0)
             grad.scatter_add_(1, col[:, None], torch.where(hit, g_logp[r0:r1], torch.zeros_like(lse[r0:r1]))[:, None])
             out[r0:r1, c0:c1].copy_(grad)
