@@ -1,0 +1,62 @@
+"""The CPU compatibility layer for Megatron-Core: idempotent, a no-op with CUDA, and each redirect does
+what it claims (CPU tensors for device="cuda", CPU stand-ins for streams, RNG tracker on the CPU generator)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_search.distributed import cpu_compat
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only redirects")
+
+
+def test_no_op_when_cuda_is_available(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_compat, "_ENABLED", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_compat, "_rebind", lambda proxy: calls.append(proxy))
+    monkeypatch.setattr(cpu_compat.importlib, "import_module", lambda name: calls.append(name))
+    assert cpu_compat.enable_cpu_compat() is False
+    assert calls == [] and cpu_compat.is_enabled() is False
+
+
+def test_enabling_twice_is_harmless():
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    assert cpu_compat.enable_cpu_compat() is True
+    proxy = schedules.torch
+    assert cpu_compat.enable_cpu_compat() is True
+    assert schedules.torch is proxy  # not wrapped a second time
+    assert proxy.Tensor is torch.Tensor and proxy.nn is torch.nn and proxy.distributed is torch.distributed
+
+
+def test_redirects_inside_megatron_only():
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    cpu_compat.enable_cpu_compat()
+    mt = schedules.torch
+    t = mt.zeros([], dtype=torch.int, device="cuda")  # as schedules.py allocates its token counter
+    assert t.device.type == "cpu"
+    assert mt.empty(3, device=mt.cuda.current_device()).device.type == "cpu"
+    stream = mt.cuda.Stream()
+    stream.wait_stream(mt.cuda.current_stream())
+    with mt.cuda.stream(stream):
+        pass
+    mt.cuda.synchronize()
+    with pytest.raises((RuntimeError, AssertionError)):  # the real torch is untouched
+        torch.zeros(1, device="cuda")
+
+
+def test_rng_tracker_runs_on_the_cpu_generator():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu_compat.enable_cpu_compat()
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 77)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        first = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the fork restored the outer state
+    torch.manual_seed(77)
+    assert torch.equal(first, torch.rand(4))  # inside the fork: the tracker's own seeded stream
