@@ -1,0 +1,141 @@
+"""The trainer core shared by SFT and GRPO: model, DDP, optimizer, LR schedule, one step, save/load.
+
+    ctx = init_distributed(cfg)                      # megatron_search.distributed
+    trainer = Trainer(cfg, ctx, total_steps=cfg.sft.steps)
+    extra = trainer.resume()                         # {} on a fresh run; else the `extra` saved last
+    while trainer.iteration < total_steps:
+        batch = trainer.dp_slice(global_batch)       # this DP rank's share (a step.Batch)
+        m = trainer.step(batch, loss_fn, micro_batch_size)
+        # m: {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"} (same on every rank)
+        if trainer.should_save(): trainer.save(extra={"sampler": ...})
+
+API (kept stable for train/sft.py and train/grpo.py):
+- `Trainer(cfg, ctx, total_steps)`: builds this rank's model chunks (models/provider.py), wraps them
+  in Megatron DDP and builds Megatron's optimizer (distributed optimizer where Megatron supports
+  it: on GPU; gloo lacks reduce_scatter) -- all through distributed/step.py.
+  `trainer.model` = unwrapped chunks, `trainer.ddp` = DDP chunks, `trainer.optimizer`.
+- `step(batch, loss_fn=token_mean_ce, micro_batch_size=None)`: sets the LR for this step
+  (train/lr.py, a pure function of `iteration`), runs Megatron's pipeline schedule over
+  microbatches of `batch` and one optimizer step (grad clipping by cfg.optim.clip_grad).
+  `loss_fn(output, batch) -> (loss, {"loss": detached})` gets the model output for one
+  microbatch: with labels, GPTModel returns per-token cross entropy [B, S] (= -log p(label)),
+  so a policy-gradient loss reads the token log-probs as `-output`. A `batch` may be any
+  step.Batch subclass that slices its extra per-sequence tensors in `slice()`.
+  Returned `tokens` = global count of loss tokens (loss_mask sum, or every label).
+- `save(extra=None) -> Path`: a complete checkpoint of the run (train/checkpoint.py): Megatron
+  distributed checkpoint of model + optimizer, RNG states of every rank, iteration, consumed
+  tokens, the LR schedule's parameters, `extra` (JSON: the data sampler's position, ...) and
+  the resolved config. Atomic and keep-last-N through train/checkpoint_dir.py.
+- `load(path) -> extra` / `resume() -> extra`: restore all of it (resume: from the latest
+  checkpoint under the checkpoint root when cfg.checkpoint.resume, else {}).
+- `should_save()`: iteration is a multiple of cfg.checkpoint.save_interval.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_search.distributed.step import (
+    Batch,
+    data_parallel_slice,
+    make_optimizer,
+    token_mean_ce,
+    train_step,
+    wrap_ddp,
+)
+
+from .lr import lr_from_config
+
+
+def checkpoint_root(cfg) -> Path:
+    """cfg.checkpoint.dir, or <run.output_dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.output_dir) / "checkpoints"
+
+
+class Trainer:
+    """Megatron model + optimizer + schedule for one run; see the module docstring for the API."""
+
+    def __init__(self, cfg, ctx, total_steps: int):
+        from megatron_search.models.provider import build_model_chunks
+
+        if total_steps < 1:
+            raise ValueError(f"Trainer: total_steps must be >= 1, got {total_steps}")
+        self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
+        self.model = build_model_chunks(cfg)
+        self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)
+        self.optimizer = make_optimizer(cfg, self.ddp)
+        self.iteration = 0  # optimizer steps taken so far (the next step uses the LR of `iteration`)
+        self.consumed_tokens = 0  # global loss tokens trained on so far
+        self.root = checkpoint_root(cfg)
+
+    # ------------------------------------------------------------------ stepping
+    @property
+    def current_lr(self) -> float:
+        return lr_from_config(self.cfg.optim, self.iteration, self.total_steps)
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def dp_slice(self, global_batch: Batch) -> Batch:
+        """This data-parallel rank's contiguous share of a global batch."""
+        return data_parallel_slice(global_batch)
+
+    def _global_loss_tokens(self, batch: Batch) -> int:
+        from megatron.core import parallel_state as ps
+
+        n = batch.labels.numel() if batch.loss_mask is None else batch.loss_mask.sum()
+        t = torch.tensor(float(n), dtype=torch.float64)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return int(t.item())
+
+    def step(self, batch: Batch, loss_fn: Callable = token_mean_ce, micro_batch_size: Optional[int] = None) -> dict:
+        """One optimizer step on this DP rank's `batch`; returns global metrics (same on every rank)."""
+        mbs = micro_batch_size or self.cfg.sft.micro_batch_size
+        lr = self.current_lr
+        self._set_lr(lr)
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(self.ddp, self.optimizer, batch, mbs, loss_fn)
+        tokens = self._global_loss_tokens(batch)
+        dt = time.perf_counter() - t0
+        self.iteration += 1
+        self.consumed_tokens += tokens
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "step_time_s": dt,
+                "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+
+    # ------------------------------------------------------------------ checkpoints
+    def should_save(self) -> bool:
+        return self.iteration > 0 and self.iteration % self.cfg.checkpoint.save_interval == 0
+
+    def save(self, extra: Optional[dict] = None, root: Optional[Path] = None) -> Path:
+        """Checkpoint the complete run state as step_<iteration> under the checkpoint root."""
+        from .checkpoint import save_run
+
+        return save_run(self, Path(root) if root else self.root, extra or {})
+
+    def load(self, path: Path) -> dict:
+        """Restore everything `save` wrote from checkpoint directory `path`; returns its `extra`."""
+        from .checkpoint import load_run
+
+        return load_run(self, Path(path))
+
+    def resume(self) -> dict:
+        """When cfg.checkpoint.resume: load the latest checkpoint under the root (or cfg.checkpoint.load).
+
+        Returns the saved `extra` ({} when starting fresh). Raises when resume is asked for but no
+        checkpoint exists, so a typo in the path never silently restarts from scratch.
+        """
+        from .checkpoint_dir import latest_checkpoint
+
+        ck = self.cfg.checkpoint
+        if not ck.resume:
+            return {}
+        source = Path(ck.load) if ck.load else self.root
+        path = source if (source / "trainer.json").is_file() else latest_checkpoint(source)
+        if path is None:
+            raise FileNotFoundError(f"checkpoint.resume: no complete checkpoint under {source}")
+        return self.load(path)
