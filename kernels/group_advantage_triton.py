@@ -27,9 +27,10 @@ def _group_adv_kernel(
     start = tl.load(goff_ptr + g)
     end = tl.load(goff_ptr + g + 1)
     n = (end - start).to(tl.float32)
-    total = 0.0
-    hi = float("-inf")
-    lo = float("inf")
+    # typed scalars: loop-carried values must keep one type in compiled Triton
+    total = tl.full([], 0.0, tl.float32)
+    hi = tl.full([], float("-inf"), tl.float32)
+    lo = tl.full([], float("inf"), tl.float32)
     for i0 in range(start, end, BLOCK):
         idx = i0 + tl.arange(0, BLOCK)
         ok = idx < end
@@ -41,7 +42,7 @@ def _group_adv_kernel(
     constant = hi == lo
     denom = 1.0
     if STD:
-        ss = 0.0
+        ss = tl.full([], 0.0, tl.float32)
         for i0 in range(start, end, BLOCK):
             idx = i0 + tl.arange(0, BLOCK)
             ok = idx < end
