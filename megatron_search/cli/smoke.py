@@ -7,6 +7,7 @@ Exits 0 when the last loss is below the first, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 
@@ -47,12 +48,23 @@ def run(args: argparse.Namespace) -> int:
     from megatron_search.distributed.step import Batch, data_parallel_slice, make_optimizer, train_step, wrap_ddp
     from megatron_search.models.provider import build_model_chunks
 
+    from megatron_search.distributed import DistEnvError, LayoutError
+    from megatron_search.models.provider_common import ProviderError
+
     t0 = time.monotonic()
-    ctx = init_distributed(cfg)
     try:
-        chunks = build_model_chunks(cfg)
-        ddp = wrap_ddp(cfg, chunks, chunks[0].config)
-        optimizer = make_optimizer(cfg, ddp)
+        ctx = init_distributed(cfg)
+    except (DistEnvError, LayoutError, ProviderError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            chunks = build_model_chunks(cfg)
+            ddp = wrap_ddp(cfg, chunks, chunks[0].config)
+            optimizer = make_optimizer(cfg, ddp)
+        except (ProviderError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         vocab = cfg.model.architecture.vocab_size
         g = torch.Generator().manual_seed(cfg.run.seed)
         tokens = torch.randint(0, vocab, (args.global_batch, args.seq_len + 1), generator=g).to(ctx.device)

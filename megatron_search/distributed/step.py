@@ -61,6 +61,11 @@ def make_optimizer(cfg, ddp_chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o, m = cfg.optim, cfg.model
+    if m.params_dtype != "float32" and not torch.cuda.is_available():
+        raise ValueError(
+            f"model.params_dtype={m.params_dtype}: Megatron's mixed-precision optimizer only wraps CUDA tensors; "
+            "train with float32 on CPU"
+        )
     ocfg = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
