@@ -164,3 +164,15 @@ def test_bad_cu_seqlens_rejected():
     q2, k2, v2, g2, b2, _ = _inputs(b=2, t=6)
     with pytest.raises(ValueError, match="batch size 1"):
         chunk_gated_delta_rule(q2, k2, v2, g2, b2, cu_seqlens=torch.tensor([0, 6]))
+
+
+def test_bfloat16_inputs_compute_in_float32():
+    q, k, v, g, beta, s0 = _inputs(t=40, dtype=torch.bfloat16)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, chunk_size=16)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32  # the state stays in the compute dtype
+    ref, ref_s = recurrent_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta)), initial_state=s0.double(),
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    # Only the final cast to bf16 rounds (relative step 2^-8).
+    torch.testing.assert_close(o.double(), ref, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(s.double(), ref_s, rtol=1e-5, atol=1e-5)
