@@ -15,6 +15,7 @@ COMMANDS = [
     "data_cmd",
     "index_cmd",
     "tokenizer_cmd",
+    "sft_cmd",
 ]
 
 

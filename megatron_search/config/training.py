@@ -29,7 +29,7 @@ class SFTConfig(Section):
     global_batch_size: PositiveInt = 8
     micro_batch_size: PositiveInt = 1
     seq_length: PositiveInt = 1024
-    packing: bool = True
+    packing: bool = Field(True, description="pack several examples per row (else one example per row, padded)")
     datasets: dict[str, float] = Field(
         default_factory=dict, description="JSONL path -> sampling weight of the SFT mix"
     )

@@ -1,0 +1,122 @@
+"""SFT warm-up (RECIPE 2): next-token loss on assistant tokens of chat examples, on Megatron-Core.
+
+    for each step: global batch from the weighted mix (train/sft_data.py) -> this DP rank's rows
+                   -> Trainer.step (pipeline schedule, grad clip, LR schedule) -> TensorBoard
+                   -> checkpoint every save_interval steps, at the end, and on SIGTERM/SIGUSR1
+
+Every rank builds the same global batch from the same seed and keeps its DP share, so no data
+moves between ranks. A preemption signal sets a flag; the ranks agree on it after the step
+(all-reduce), save a checkpoint with the data position and return cleanly. With
+checkpoint.resume=true the run continues from the latest checkpoint exactly where it stopped.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .metrics import MetricsWriter, format_line
+from .signals import StopRequest
+
+log = logging.getLogger(__name__)
+TB_TAGS = {
+    "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
+    "lr": "train/lr",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time_s": "time/step_s",
+}
+
+
+def check_batch_layout(cfg, dp_size: int) -> None:
+    s = cfg.sft
+    if s.global_batch_size % (dp_size * s.micro_batch_size):
+        raise ValueError(f"sft.global_batch_size={s.global_batch_size} must be a multiple of data-parallel size "
+                         f"{dp_size} x sft.micro_batch_size={s.micro_batch_size}")
+
+
+def build_batcher(cfg):
+    from .sft_data import SFTBatcher, chat_format_for, load_sft_datasets, tokenizer_for
+
+    s = cfg.sft
+    return SFTBatcher(load_sft_datasets(s.datasets), s.datasets, tokenizer_for(cfg), chat_format_for(cfg),
+                      s.seq_length, s.global_batch_size, s.packing, cfg.run.seed)
+
+
+def _agree_stop(requested: bool) -> bool:
+    """True on every rank when any rank got a stop signal (ranks see signals at different times)."""
+    flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None,
+            on_start: Optional[Callable[[object], None]] = None) -> dict:
+    """Train cfg.sft.steps steps (or until a stop signal); returns a summary.
+
+    `env`: the process placement (distributed.env.DistEnv; default: read torchrun/Slurm variables).
+    `on_start(trainer)` runs once the model is built (and resumed); `on_step(iteration, metrics)`
+    after each step; both on every rank (progress hooks, tests).
+    Summary: {"iterations": [...], "losses": [...], "grad_norms": [...], "stopped": bool,
+    "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut}.
+    """
+    from megatron_search.distributed import init_distributed
+
+    from .core import Trainer
+
+    ctx = init_distributed(cfg, env=env)
+    stop = StopRequest()
+    writer = None
+    try:
+        check_batch_layout(cfg, ctx.dp_size)
+        batcher = build_batcher(cfg)
+        trainer = Trainer(cfg, ctx, total_steps=cfg.sft.steps)
+        extra = trainer.resume()
+        if extra:
+            batcher.load_state_dict(extra["data"])
+        if on_start is not None:
+            on_start(trainer)
+        out = Path(cfg.run.output_dir)
+        writer = MetricsWriter(out / "tensorboard", enabled=cfg.logging.tensorboard and ctx.is_main)
+        summary = {"iterations": [], "losses": [], "grad_norms": [], "stopped": False, "checkpoint": None}
+        bar = tqdm(total=cfg.sft.steps, initial=trainer.iteration, desc="sft", unit="step",
+                   disable=not (ctx.is_main and cfg.logging.progress_bars))
+        saved_at = None
+        while trainer.iteration < cfg.sft.steps:
+            m = trainer.step(trainer.dp_slice(batcher.next_batch()))
+            it = trainer.iteration
+            summary["iterations"].append(it)
+            summary["losses"].append(m["loss"])
+            summary["grad_norms"].append(m["grad_norm"])
+            if it % cfg.logging.log_interval == 0:
+                values = {tag: m[k] for k, tag in TB_TAGS.items()}
+                values["train/consumed_tokens"] = trainer.consumed_tokens
+                writer.scalars(it, values)
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
+            if on_step is not None:
+                on_step(it, m)
+            stopping = _agree_stop(stop.requested)
+            if trainer.should_save() or stopping or it == cfg.sft.steps:
+                summary["checkpoint"] = str(trainer.save(extra={"data": batcher.state_dict()}))
+                saved_at = it
+            if stopping:
+                summary["stopped"] = True
+                if ctx.is_main:
+                    bar.write(f"stop signal received: saved step {saved_at}, exiting")
+                break
+        bar.close()
+        if ctx.is_main and summary["losses"]:
+            log.info(format_line(trainer.iteration, {"loss": summary["losses"][-1]}, ["loss"]))
+        summary["truncated"] = batcher.truncated
+        return summary
+    finally:
+        if writer is not None:
+            writer.close()
+        stop.restore()
+        ctx.teardown()

@@ -1,0 +1,180 @@
+"""SFT batches: chat examples -> token ids with an assistant-only loss mask -> packed [B, S] rows.
+
+Input rows (JSONL, the format data/sft.py writes): {"id", "messages", "tools"?, "loss_roles"?}.
+A conversation is rendered with the model's chat format (rollout/chat_format.py) and tokenised
+the way a rollout produces it: every text up to and including an assistant generation prefix
+(`<|im_start|>assistant\\n`, plus `<think>\\n` in think="open" mode) is one prompt segment
+(loss 0), and each assistant body through its `<|im_end|>` is one generated segment (loss 1,
+so the model learns to stop). Segments are tokenised separately, exactly as the agent loop
+joins prompt ids and generated ids (token in, token out), so SFT trains on the token
+sequences the policy later sees. Prompts, tool responses and headers carry no loss (RECIPE 2).
+
+Batches: datasets are mixed by weight with data/mix.py's deterministic, resumable sampler;
+examples are packed greedily into rows of seq_length + 1 tokens (packing=True; attention then
+spans neighbouring examples, as in plain GPT packing: GDN in Megatron 0.16 has no packed-sequence
+support) or one example per row (packing=False), padded with <|endoftext|> and loss 0. An example
+longer than a row is truncated (counted). The sampler state is the data position a checkpoint saves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_search.data.jsonl import DataError, read_jsonl
+from megatron_search.data.mix import MixSampler
+from megatron_search.distributed.step import Batch
+from megatron_search.rollout.chat_format import IM_END, IM_START, ChatFormat
+from megatron_search.rollout.tokenizer import ChatTokenizer, load_tokenizer
+
+ASSISTANT_HEADER = f"{IM_START}assistant\n"
+
+
+@dataclass
+class TokenizedExample:
+    """ids[i] is a training target when mask[i] == 1."""
+
+    ids: list[int]
+    mask: list[int]
+
+
+def chat_format_for(cfg) -> ChatFormat:
+    """The chat format of cfg.model.chat_style (default think mode of that style)."""
+    return ChatFormat(cfg.model.chat_style)
+
+
+def tokenizer_for(cfg) -> ChatTokenizer:
+    """cfg.model.tokenizer loaded and checked against the model's vocabulary."""
+    spec = cfg.model.tokenizer
+    tok = load_tokenizer(spec)
+    vocab = cfg.model.architecture.vocab_size
+    if tok.vocab_size > vocab:
+        raise DataError(f"model.tokenizer {spec!r} has {tok.vocab_size} ids but the model has only {vocab} embeddings "
+                        "(the tiny models need the demo BPE: model.tokenizer=<path of its tokenizer.json>)")
+    return tok
+
+
+def segment_conversation(fmt: ChatFormat, messages: list[dict], tools: Optional[list[dict]], where: str
+                         ) -> list[tuple[str, int]]:
+    """The rendered conversation cut into (text, loss) segments; see the module docstring."""
+    text = fmt.render(messages, tools)
+    prefix = fmt.generation_prefix()
+    n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
+    segments, pos, found = [], 0, 0
+    while True:
+        start = text.find(ASSISTANT_HEADER, pos)
+        if start < 0:
+            break
+        body = start + len(ASSISTANT_HEADER)
+        if text.startswith(prefix, start):
+            body = start + len(prefix)
+        end = text.find(IM_END, body)
+        if end < 0:
+            raise DataError(f"{where}: assistant turn without {IM_END} in the rendering")
+        end += len(IM_END)
+        segments.append((text[pos:body], 0))
+        segments.append((text[body:end], 1))
+        pos, found = end, found + 1
+    if found != n_assistant:
+        raise DataError(f"{where}: {n_assistant} assistant message(s) but {found} assistant turn(s) in the rendering "
+                        f"(does a message contain {ASSISTANT_HEADER!r}?)")
+    if pos < len(text):
+        segments.append((text[pos:], 0))
+    return segments
+
+
+def tokenize_example(row: dict, tokenizer: ChatTokenizer, fmt: ChatFormat, where: str) -> TokenizedExample:
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list")
+    roles = row.get("loss_roles", ["assistant"])
+    if roles != ["assistant"]:
+        raise DataError(f"{where}: loss_roles {roles!r}: only ['assistant'] is supported (RECIPE 2)")
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message, nothing to train on")
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg_text, loss in segment_conversation(fmt, messages, row.get("tools"), where):
+        seg = tokenizer.encode(seg_text)
+        ids.extend(seg)
+        mask.extend([loss] * len(seg))
+    return TokenizedExample(ids, mask)
+
+
+def load_sft_datasets(paths: dict[str, float]) -> dict[str, list[dict]]:
+    """Every JSONL file of cfg.sft.datasets as a list of rows (each tagged with its file:line)."""
+    if not paths:
+        raise DataError("sft.datasets is empty: give at least one JSONL path with a weight (sft.datasets={path: w})")
+    out = {}
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError(f"sft.datasets: no such file {path}")
+        rows = []
+        for i, row in enumerate(read_jsonl(path), 1):
+            row["_where"] = f"{path}:{row.get('id', '#' + str(i))}"
+            rows.append(row)
+        if not rows:
+            raise DataError(f"sft.datasets: {path} has no rows")
+        out[path] = rows
+    return out
+
+
+class SFTBatcher:
+    """Global SFT batches [global_batch_size, seq_length] from a weighted mix of datasets.
+
+    Deterministic given the seed; `state_dict()` (JSON) is the position to save and restore.
+    """
+
+    def __init__(self, datasets: dict[str, list[dict]], weights: dict[str, float], tokenizer: ChatTokenizer,
+                 fmt: ChatFormat, seq_length: int, global_batch_size: int, packing: bool, seed: int):
+        self.sampler = MixSampler(datasets, weights, seed=seed)
+        self.tokenizer, self.fmt = tokenizer, fmt
+        self.seq_length, self.rows, self.packing = seq_length, global_batch_size, packing
+        self.pad_id = tokenizer.pad_id
+        self.truncated = 0  # examples cut to one row since the start (or resume)
+        self._cache: dict[str, TokenizedExample] = {}
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def _example(self, row: dict) -> TokenizedExample:
+        key = row["_where"]
+        if key not in self._cache:
+            ex = tokenize_example(row, self.tokenizer, self.fmt, key)
+            width = self.seq_length + 1
+            if len(ex.ids) > width:
+                if not any(ex.mask[1:width]):
+                    raise DataError(f"{key}: no assistant token within sft.seq_length={self.seq_length} (the first "
+                                    f"is token {ex.mask.index(1)} of {len(ex.ids)}); raise sft.seq_length")
+                self.truncated += 1
+                ex = TokenizedExample(ex.ids[:width], ex.mask[:width])
+            self._cache[key] = ex
+        return self._cache[key]
+
+    def next_batch(self) -> Batch:
+        """The next global batch: tokens/labels [rows, seq_length], loss_mask over labels."""
+        width = self.seq_length + 1
+        rows: list[tuple[list[int], list[int]]] = []
+        cur_ids: list[int] = []
+        cur_mask: list[int] = []
+        while True:
+            snapshot = self.sampler.state_dict()
+            ex = self._example(self.sampler.next())
+            if cur_ids and (not self.packing or len(cur_ids) + len(ex.ids) > width):
+                rows.append((cur_ids, cur_mask))
+                cur_ids, cur_mask = [], []
+                if len(rows) == self.rows:
+                    self.sampler.load_state_dict(snapshot)  # un-draw: this example opens the next batch
+                    break
+            cur_ids, cur_mask = cur_ids + ex.ids, cur_mask + ex.mask
+        ids = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((self.rows, width), dtype=torch.float32)
+        for r, (row_ids, row_mask) in enumerate(rows):
+            ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+            mask[r, : len(row_mask)] = torch.tensor(row_mask, dtype=torch.float32)
+        return Batch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask[:, 1:].contiguous())

@@ -1,0 +1,125 @@
+"""SFT at 1 process: assistant-only loss mask checked by hand, packing/labels, and a short run whose
+loss falls on a repeated batch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _sft_helpers import TOOLS, conversation, sft_config, write_dataset
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from _sft_helpers import train_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    train_tokenizer(d)
+    return d
+
+
+def _runs(mask):
+    """(start, stop) of each run of 1s."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_assistant_only_mask_on_a_rendered_example(tok_dir):
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.train.sft_data import tokenize_example
+
+    tok = BPETokenizer.load(tok_dir)
+    ex = tokenize_example(conversation(0), tok, ChatFormat("qwen3"), "test")
+    # Written by hand from the Qwen3 template: what the model must generate in each assistant turn.
+    expected_targets = [
+        'Let me search.\n<tool_call>\n{"name": "search_web", "arguments": {"query": "Varnholt founded"}}\n'
+        "</tool_call><|im_end|>",
+        "Varnholt was founded in 1900.<|im_end|>",
+    ]
+    runs = _runs(ex.mask)
+    assert [tok.decode(ex.ids[a:b]) for a, b in runs] == expected_targets
+    # Everything else (system + tools, user turn, tool response, assistant headers) carries no loss.
+    context = "".join(tok.decode(ex.ids[a:b]) for a, b in zip([0] + [r[1] for r in runs], [r[0] for r in runs] + [None]))
+    assert context.startswith("<|im_start|>system\nYou are a helpful search assistant.\n\n# Tools")
+    assert "<|im_start|>user\nWhen was Varnholt founded?<|im_end|>\n<|im_start|>assistant\n" in context
+    assert "<tool_response>\n[1] Varnholt - Varnholt was founded in 1900.\n</tool_response>" in context
+    assert "Let me search" not in context and "founded in 1900.<|im_end|>" not in context
+    # The ids are the rendering's tokens: decoding all of them gives the template text back.
+    assert tok.decode(ex.ids) == ChatFormat("qwen3").render(conversation(0)["messages"], TOOLS)
+
+
+def test_packed_batch_labels_and_mask_align(tmp_path, tok_dir):
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.train.sft_data import SFTBatcher, tokenize_example
+
+    tok = BPETokenizer.load(tok_dir)
+    fmt = ChatFormat("qwen3")
+    rows = [dict(conversation(i), _where=f"r{i}") for i in range(3)]
+    exs = [tokenize_example(r, tok, fmt, "t") for r in rows]
+    width = max(len(e.ids) for e in exs) * 2  # two examples fit per row
+    b = SFTBatcher({"a": rows}, {"a": 1.0}, tok, fmt, seq_length=width - 1, global_batch_size=2, packing=True, seed=0)
+    batch = b.next_batch()
+    assert batch.tokens.shape == (2, width - 1)
+    assert torch.equal(batch.tokens[:, 1:], batch.labels[:, :-1])  # labels are the next tokens
+    # Each row holds whole examples back to back; the loss mask marks exactly their target tokens.
+    by_len = {len(e.ids): e for e in exs}
+    for r in range(2):
+        full = torch.cat([batch.tokens[r, :1], batch.labels[r]]).tolist()
+        mask = [0.0] + batch.loss_mask[r].tolist()
+        pos = 0
+        while pos < len(full) and full[pos] != tok.pad_id:
+            e = next(e for e in exs if full[pos:pos + len(e.ids)] == e.ids)
+            assert mask[pos:pos + len(e.ids)] == [float(m) for m in e.mask]
+            pos += len(e.ids)
+        assert pos > 0 and all(m == 0 for m in mask[pos:])
+    assert by_len  # three distinct examples were available
+    # The sampler state restores the data position exactly.
+    state = b.state_dict()
+    nxt = b.next_batch()
+    b2 = SFTBatcher({"a": rows}, {"a": 1.0}, tok, fmt, seq_length=width - 1, global_batch_size=2, packing=True, seed=0)
+    b2.load_state_dict(state)
+    again = b2.next_batch()
+    assert torch.equal(nxt.tokens, again.tokens) and torch.equal(nxt.loss_mask, again.loss_mask)
+
+
+def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir):
+    from megatron_search.train.sft import run_sft
+
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    data = write_dataset(tmp_path / "one.jsonl", [3])  # one example: every batch is the same
+    cfg = sft_config(tmp_path, {data: 1.0}, ["sft.steps=3", "sft.packing=false"])
+    summary = run_sft(cfg)
+    losses = summary["losses"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    # Untrained: about ln(2048) per token; a repeated batch must then be fitted better and better.
+    assert abs(losses[0] - math.log(2048)) < 1.0
+    assert losses[2] < losses[1] < losses[0]
+    assert summary["checkpoint"].endswith("step_00000003")
+
+
+def test_bad_inputs_fail_clearly(tmp_path, tok_dir):
+    from megatron_search.data.jsonl import DataError
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.train.sft_data import load_sft_datasets, tokenize_example, tokenizer_for
+
+    tok = BPETokenizer.load(tok_dir)
+    with pytest.raises(DataError, match="only \\['assistant'\\]"):
+        tokenize_example(dict(conversation(0), loss_roles=["user"]), tok, ChatFormat("qwen3"), "x")
+    with pytest.raises(DataError, match="no assistant message"):
+        tokenize_example({"messages": [{"role": "user", "content": "hi"}]}, tok, ChatFormat("qwen3"), "x")
+    with pytest.raises(DataError, match="no such file"):
+        load_sft_datasets({str(tmp_path / "missing.jsonl"): 1.0})
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    cfg = sft_config(tmp_path, {"x.jsonl": 1.0}, ["model.tokenizer=qwen"])
+    with pytest.raises(DataError, match="only 2048 embeddings"):
+        tokenizer_for(cfg)
