@@ -138,6 +138,7 @@ class LocalEngine(Engine):
         self._lock: Optional[asyncio.Lock] = None
         self._wake: Optional[asyncio.Event] = None
         self._task: Optional[asyncio.Task] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._paused = False
         self._released: set[str] = set()
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -157,10 +158,15 @@ class LocalEngine(Engine):
 
     # -- scheduler ---------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
-        if self._lock is None:
-            self._lock, self._wake = asyncio.Lock(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # asyncio primitives belong to one event loop; a new loop (e.g. a later asyncio.run) gets
+            # fresh ones. Requests of a finished loop cannot be answered any more: drop them.
+            self._loop = loop
+            self._lock, self._wake, self._task = asyncio.Lock(), asyncio.Event(), None
+            self._running, self._waiting = [], []
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._schedule())
+            self._task = loop.create_task(self._schedule())
 
     def _can_step(self) -> bool:
         return not self._paused and not self._released and bool(self._waiting or self._running)

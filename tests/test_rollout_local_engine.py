@@ -1,0 +1,195 @@
+"""Local CPU engine in process: batched cached decode vs a plain HF forward (logprobs, routed
+experts), prefix reuse, sampling controls, weight updates by HF name, pause/abort.
+
+References are computed here with plain transformers calls on the same model object (no cache,
+one sequence, `output_router_logits`), independent of the engine's cache stacking and hooks.
+"""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_search.rollout.engine import EngineError
+from megatron_search.rollout.local import LocalEngine
+from megatron_search.rollout.local_runner import load_hf_model
+from megatron_search.rollout.local_weights import WeightUpdateError
+from megatron_search.rollout.types import GenerateRequest, SamplingParams
+
+MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def engine(request):
+    return LocalEngine(MODELS[request.param], seed=0, max_running_requests=16)
+
+
+@pytest.fixture(scope="module")
+def qwen3(request):
+    return LocalEngine(MODELS["qwen3_moe"], seed=0, max_running_requests=16)
+
+
+def prompts(n, lo=3, hi=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 2048, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@torch.no_grad()
+def plain_logprobs(model, ids, temperature):
+    """log p(ids[t+1] | ids[:t+1]) from one uncached forward, fp32."""
+    logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1].double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@torch.no_grad()
+def plain_router_topk(model, ids, top_k):
+    """[len, layers, top_k] experts from the router logits of one uncached forward (sorted by prob)."""
+    out = model(input_ids=torch.tensor([ids]), use_cache=False, output_router_logits=True)
+    per_layer = [torch.topk(torch.softmax(r.float(), -1), top_k, dim=-1).indices for r in out.router_logits]
+    return torch.stack(per_layer, dim=1).numpy()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_batched_generation_matches_plain_forward(engine):
+    ps = prompts(12)
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9, seed=i),
+                            return_routed_experts=True, routed_experts_start_len=len(p) // 2) for i, p in enumerate(ps)]
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(r) for r in reqs))
+
+    results = run(go())
+    model = engine.runner.model
+    for p, req, res in zip(ps, reqs, results):
+        ids = p + res.output_ids
+        assert len(res.output_ids) == 10 and res.finish_reason.type == "length"
+        ref = plain_logprobs(model, ids, 0.7)[len(p) - 1:]
+        assert torch.allclose(torch.tensor(res.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+        want = plain_router_topk(model, ids, 2)[req.routed_experts_start_len : len(ids) - 1]
+        assert res.routed_experts_NLK.shape == (len(ids) - 1 - req.routed_experts_start_len, 4, 2)
+        np.testing.assert_array_equal(res.routed_experts_NLK, want)
+
+
+def test_next_turn_reuses_prefix_and_stays_exact(engine):
+    p = prompts(1, 20, 21, seed=3)[0]
+    first = run(engine.generate(GenerateRequest(p, SamplingParams(max_new_tokens=6, seed=1))))
+    turn2 = p + first.output_ids + [7, 8, 9, 10]
+    start = len(p) + len(first.output_ids) - 1
+    second = run(engine.generate(GenerateRequest(turn2, SamplingParams(max_new_tokens=6, seed=2),
+                                                 return_routed_experts=True, routed_experts_start_len=start)))
+    assert second.cached_tokens == len(p) + len(first.output_ids) - 1  # the earlier sequence minus its last token
+    ids = turn2 + second.output_ids
+    ref = plain_logprobs(engine.runner.model, ids, 1.0)[len(turn2) - 1:]
+    assert torch.allclose(torch.tensor(second.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(second.routed_experts_NLK, plain_router_topk(engine.runner.model, ids, 2)[start:-1])
+    run(engine.flush_cache())
+    assert len(engine.prefix) == 0
+
+
+def test_sampling_controls(qwen3):
+    p = prompts(1, 8, 9, seed=5)[0]
+    model = qwen3.runner.model
+    greedy = run(qwen3.generate(GenerateRequest(p, SamplingParams(max_new_tokens=6, temperature=0.0))))
+    ids = list(p)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert greedy.output_ids == ids[len(p):]
+    # top_p so small that only the most likely token survives: sampling == greedy
+    narrow = run(qwen3.generate(GenerateRequest(p, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=9))))
+    assert narrow.output_ids == greedy.output_ids
+    # same seed, same tokens; stop ids end the turn and are kept
+    a = run(qwen3.generate(GenerateRequest(p, SamplingParams(max_new_tokens=8, seed=42))))
+    b = run(qwen3.generate(GenerateRequest(p, SamplingParams(max_new_tokens=8, seed=42))))
+    assert a.output_ids == b.output_ids
+    stop = a.output_ids[2]
+    c = run(qwen3.generate(GenerateRequest(p, SamplingParams(max_new_tokens=8, seed=42, stop_token_ids=(stop,)))))
+    first = a.output_ids.index(stop)
+    assert c.output_ids == a.output_ids[: first + 1]
+    assert (c.finish_reason.type, c.finish_reason.matched) == ("stop", stop)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        run(qwen3.generate(GenerateRequest([5, 2048])))
+
+
+def per_expert_names(model):
+    """HF checkpoint layout for Qwen3-MoE: fused experts split back into per-expert tensors."""
+    out = []
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, half = name[: -len(".gate_up_proj")], p.shape[1] // 2
+            for j in range(p.shape[0]):
+                out += [(f"{base}.{j}.gate_proj.weight", p[j, :half]), (f"{base}.{j}.up_proj.weight", p[j, half:])]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len(".down_proj")]
+            out += [(f"{base}.{j}.down_proj.weight", p[j]) for j in range(p.shape[0])]
+        else:
+            out.append((name, p))
+    return [(n, t.detach().clone()) for n, t in out]
+
+
+def test_weight_update_by_hf_name(tmp_path):
+    eng = LocalEngine(MODELS["qwen3_moe"], seed=0)
+    other = load_hf_model(MODELS["qwen3_moe"], seed=1)
+    p = prompts(1, 10, 11, seed=7)[0]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    before = run(eng.generate(GenerateRequest(p, greedy)))
+    original = per_expert_names(eng.runner.model)
+
+    # per-expert names land in the fused tensors: the engine then IS the other model
+    run(eng.update_weights_from_tensor(per_expert_names(other), weight_version="v1"))
+    for (n, a), (_, b) in zip(eng.runner.model.named_parameters(), other.named_parameters()):
+        assert torch.equal(a, b), n
+    after = run(eng.generate(GenerateRequest(p, greedy)))
+    assert after.weight_version == "v1" and after.output_ids != before.output_ids
+
+    # a bad tensor anywhere in the update leaves the model untouched
+    snapshot = {n: t.clone() for n, t in eng.runner.model.state_dict().items()}
+    bad = [("lm_head.weight", torch.zeros(2048, 64)), ("model.layers.0.mlp.gate.weight", torch.zeros(3, 64))]
+    with pytest.raises(WeightUpdateError, match=r"model.layers.0.mlp.gate.weight: shape \(3, 64\)"):
+        run(eng.update_weights_from_tensor(bad))
+    with pytest.raises(WeightUpdateError, match="no such parameter"):
+        run(eng.update_weights_from_tensor([("model.layers.0.mlp.gatee.weight", torch.zeros(4, 64))]))
+    for n, t in eng.runner.model.state_dict().items():
+        assert torch.equal(t, snapshot[n]), n
+
+    # from disk (HF per-expert checkpoint layout) back to the original weights
+    save_file(dict(original), str(tmp_path / "model.safetensors"))
+    run(eng.update_weights_from_disk(str(tmp_path), weight_version="v2"))
+    again = run(eng.generate(GenerateRequest(p, greedy)))
+    assert again.output_ids == before.output_ids and again.weight_version == "v2"
+
+
+def test_pause_abort_and_release():
+    eng = LocalEngine(MODELS["qwen3_moe"], seed=0)
+    p = prompts(2, 5, 6, seed=11)
+
+    async def scenario():
+        await eng.pause_generation("in_place")
+        pending = asyncio.ensure_future(eng.generate(GenerateRequest(p[0], SamplingParams(max_new_tokens=4))))
+        await asyncio.sleep(0.2)
+        assert not pending.done() and eng.steps == 0  # paused: nothing stepped
+        await eng.continue_generation()
+        done = await pending
+        assert len(done.output_ids) == 4
+        steps = eng.steps
+        long = asyncio.ensure_future(eng.generate(GenerateRequest(p[1], SamplingParams(max_new_tokens=2000))))
+        while eng.steps < steps + 3:
+            await asyncio.sleep(0.01)
+        await eng.pause_generation("abort")
+        aborted = await long
+        assert aborted.finish_reason.type == "abort" and 0 < len(aborted.output_ids) < 2000
+        await eng.continue_generation()
+        await eng.release_memory_occupation(["weights"])
+        assert not await eng.health()
+        with pytest.raises(EngineError, match="released"):
+            await eng.update_weights_from_tensor([("lm_head.weight", torch.zeros(2048, 64))])
+        await eng.resume_memory_occupation(["weights"])
+        assert await eng.health()
+        await eng.close()
+
+    run(scenario())
