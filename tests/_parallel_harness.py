@@ -1,5 +1,6 @@
 """Multi-process equivalence harness: the same weights give the same loss and global grad norm
-at 1 process and on 2 gloo processes with TP=2 (sequence parallel), EP=2 and PP=2 (1F1B).
+at 1 process and on 2 gloo processes with TP=2 (sequence parallel), EP=2, PP=2 (1F1B) and PP=2 with
+2 virtual stages (interleaved 1F1B).
 
 Flow: a 1-process spawn builds each architecture's model, saves its full weights and records
 (loss, grad norm) of one Megatron optimizer step on a fixed batch; then one 2-process spawn runs
@@ -22,9 +23,10 @@ LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.ep=2"],
     "pp2": ["parallel.pp=2"],
+    "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2"],  # interleaved 1F1B, one layer per model chunk
 }
 GLOBAL_BATCH, SEQ_LEN = 4, 16
-MICRO_BATCH = {"reference": 4, "tp2_sp": 2, "ep2": 1, "pp2": 1}  # PP runs 4 microbatches through 1F1B
+MICRO_BATCH = {"reference": 4, "tp2_sp": 2, "ep2": 1, "pp2": 1, "pp2_vpp2": 1}  # PP runs 4 microbatches through 1F1B
 DATA_SEED = 1234
 
 

@@ -60,3 +60,18 @@ def test_rng_tracker_runs_on_the_cpu_generator():
     assert torch.equal(torch.get_rng_state(), before)  # the fork restored the outer state
     torch.manual_seed(77)
     assert torch.equal(first, torch.rand(4))  # inside the fork: the tracker's own seeded stream
+
+
+def test_megatron_modules_imported_later_are_rebound():
+    import sys
+
+    import importlib
+
+    cpu_compat.enable_cpu_compat()
+    # A module nothing in the stack imports (upcycling dense -> MoE), so it loads only here.
+    name = "megatron.core.transformer.moe.upcycling_utils"
+    was_loaded = name in sys.modules
+    module = importlib.import_module(name)
+    assert was_loaded or getattr(module.torch, "_megatron_search_cpu_proxy", False)
+    assert getattr(importlib.import_module("megatron.core.transformer.moe.router").torch,
+                   "_megatron_search_cpu_proxy", False)

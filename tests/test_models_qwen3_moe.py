@@ -110,3 +110,12 @@ def test_forward_backward_reaches_every_parameter(dist_ctx):
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+def test_unbatched_p2p_when_vpp_has_two_stages():
+    # With PP=2 the previous and next stage are the same peer; batched p2p would swap messages.
+    from megatron_search.models.provider import transformer_config_from_hf
+
+    vpp = transformer_config_from_hf(load_config(None, [f"model.hf_config={TINY}", "parallel.pp=2", "parallel.vpp=2"]))
+    assert vpp.batch_p2p_comm is False and vpp.virtual_pipeline_model_parallel_size == 2
+    assert transformer_config_from_hf(load_config(None, [f"model.hf_config={TINY}", "parallel.pp=2"])).batch_p2p_comm

@@ -24,13 +24,15 @@ reach into `torch.cuda.default_generators`), and `moe_utils.te_general_gemm`, wh
 undefined when Transformer Engine is missing although the router still tests it against None,
 and the optimizer's `clip_grad_by_total_norm_fp32`, which asserts that gradients are CUDA tensors.
 
-Modules are rebound when `enable_cpu_compat()` runs; it imports the Megatron modules a training
-step uses first. Call it before building models (init_distributed does).
+Modules loaded when `enable_cpu_compat()` runs are rebound at once (it first imports the modules a
+training step uses); Megatron modules imported later are rebound as they load, by a small import
+hook (`_RebindOnImport`). Call it before building models (init_distributed does).
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.abc
 import logging
 import sys
 import types
@@ -210,6 +212,42 @@ def _rebind(proxy: types.ModuleType) -> int:
     return count
 
 
+class _RebindOnImport(importlib.abc.MetaPathFinder):
+    """Rebinds `torch` in megatron.core modules imported after enable_cpu_compat() (lazy imports)."""
+
+    def __init__(self, proxy: types.ModuleType):
+        self.proxy = proxy
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith("megatron.core."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RebindingLoader(spec.loader, self.proxy)
+                return spec
+        return None
+
+
+class _RebindingLoader(importlib.abc.Loader):
+    def __init__(self, inner, proxy: types.ModuleType):
+        self.inner, self.proxy = inner, proxy
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        if getattr(module, "torch", None) is torch:
+            module.torch = self.proxy
+
+    def __getattr__(self, name):  # get_source, is_package, ... of the real loader
+        return getattr(self.inner, name)
+
+
 def enable_cpu_compat() -> bool:
     """Redirect Megatron-Core's CUDA-only calls to CPU. Returns True when active (CPU only)."""
     global _ENABLED
@@ -224,6 +262,7 @@ def enable_cpu_compat() -> bool:
             continue
     proxy = _make_torch_proxy()
     _rebind(proxy)
+    sys.meta_path.insert(0, _RebindOnImport(proxy))
     random = sys.modules.get("megatron.core.tensor_parallel.random")
     if random is not None:
         for attr, fn in (("_get_cuda_rng_state", _get_rng_state_cpu), ("_set_cuda_rng_state", _set_rng_state_cpu)):

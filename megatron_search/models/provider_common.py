@@ -73,5 +73,9 @@ def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # Batched p2p posts send/recv to prev and to next in one batch; with VPP and PP=2 prev and
+        # next are the same peer, messages match by order rather than meaning and activations and
+        # gradients get swapped (seen on gloo: wrong loss). Megatron's unbatched path orders them.
+        batch_p2p_comm=not (p.vpp is not None and p.pp == 2),
         **recompute,
     )
