@@ -272,6 +272,7 @@ def build_app(engine: LocalEngine, chat=None) -> web.Application:
         app.router.add_route("POST", path, fn)
     if chat is not None:
         app[CHAT_KEY] = chat
+        chat.engine = engine
         app.router.add_post("/v1/chat/completions", chat.handle)
 
     async def shutdown(_app):

@@ -1,0 +1,99 @@
+"""OpenAI-compatible /v1/chat/completions for the local engine server (as SGLang serves it).
+
+Used by the data and eval helpers as a plain LLM endpoint. Messages (and tools) are rendered with
+the Qwen chat format and tokenised with the project tokenizer; the model's turn is parsed back
+into content, reasoning_content and tool_calls. Only n=1, non-streaming, string contents.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from .chat_format import ChatFormat
+from .tokenizer import ChatEncoder, ChatTokenizer, load_tokenizer
+from .types import GenerateRequest, SamplingParams
+
+
+class ChatEndpoint:
+    """Renders, generates through the server's engine, parses."""
+
+    def __init__(self, tokenizer: ChatTokenizer, fmt: ChatFormat, model_name: str, default_max_tokens: int):
+        self.encoder = ChatEncoder(tokenizer, fmt)
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.engine = None  # the Engine that generates; attached by local_server.build_app
+
+    @classmethod
+    def from_name(cls, tokenizer_spec: str, cfg) -> "ChatEndpoint":
+        """`tokenizer_spec` as rollout.tokenizer.load_tokenizer takes it; chat style from the model type."""
+        arch = cfg.model.architecture
+        style = "qwen3_5" if "qwen3_5" in str(getattr(arch, "model_type", "")) else "qwen3"
+        return cls(load_tokenizer(tokenizer_spec), ChatFormat(style), str(cfg.model.hf_config), cfg.eval.max_new_tokens)
+
+    def _request(self, body: dict) -> tuple[GenerateRequest, list | None]:
+        where = "/v1/chat/completions"
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"{where}: messages[{i}] needs a 'role'")
+            if m.get("content") is not None and not isinstance(m["content"], str):
+                raise ValueError(f"{where}: messages[{i}].content must be a string (content parts are not supported)")
+        if body.get("stream"):
+            raise ValueError(f"{where}: stream=true is not supported by the local engine")
+        if int(body.get("n", 1)) != 1:
+            raise ValueError(f"{where}: only n=1 is supported")
+        tools = body.get("tools") or None
+        tool_choice = body.get("tool_choice", "auto")
+        if not isinstance(tool_choice, str):
+            raise ValueError(f"{where}: tool_choice must be 'auto', 'none' or 'required'")
+        ids = self.encoder.prompt_ids(messages, tools, tool_choice=tool_choice)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.default_max_tokens
+        sampling = SamplingParams(
+            max_new_tokens=int(max_tokens), temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)), stop_token_ids=tuple(self.encoder.stop_ids),
+            seed=None if body.get("seed") is None else int(body["seed"]),
+        )
+        return GenerateRequest(ids, sampling, return_logprob=False), tools
+
+    def response(self, req: GenerateRequest, res, tools) -> dict:
+        turn = self.encoder.parse_turn(res.output_ids, tools)
+        calls, content = [], turn.content
+        for c in turn.calls:
+            if c.parse_error is None:
+                calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}})
+            else:  # a call the model botched stays visible as text
+                content = (content + "\n" + c.raw).strip()
+        finish = "length" if res.finish_reason.type == "length" else ("tool_calls" if calls else "stop")
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if turn.reasoning:
+            message["reasoning_content"] = turn.reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(req.input_ids), "completion_tokens": len(res.output_ids),
+                      "total_tokens": len(req.input_ids) + len(res.output_ids)},
+            "weight_version": res.weight_version,
+        }
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self.engine is None:
+            raise RuntimeError("ChatEndpoint: no engine attached (build_app attaches the server's engine)")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("/v1/chat/completions: body must be a JSON object")
+            req, tools = self._request(body)
+            res = await self.engine.generate(req)
+        except (ValueError, TypeError, KeyError) as e:
+            return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=400)
+        return web.json_response(self.response(req, res, tools))

@@ -1,0 +1,202 @@
+"""The local engine server over HTTP, driven by the same client class as SGLang servers.
+
+A server subprocess serves the tiny random Qwen3-MoE (seed 0); the test process rebuilds the same
+model and checks everything the server reports against plain uncached HF forwards: 64 concurrent
+agent rollouts (logprobs within 1e-4 fp32, routed experts equal to the router top-k), weight
+updates by HF name (tensor / disk / gloo group) changing greedy generations to exactly those of
+the pushed model, error bodies, and /v1/chat/completions.
+"""
+import asyncio
+import random
+import socket
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
+from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.engine import EngineError
+from megatron_search.rollout.local_runner import load_hf_model
+from megatron_search.rollout.sglang import SGLangClient, launch_local_server
+from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
+from megatron_search.rollout.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.weight_group import open_gloo_group, send_named_tensors
+from megatron_search.search.base import SearchBackend, SearchResult
+from megatron_search.search.tool import SearchTool
+
+MODEL = "configs/models/tiny_qwen3_moe"
+WORDS = "the of and a to in is was for on that with as by search web answer question paris capital river city".split()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    # enough distinct words that the BPE fills all 2,048 ids the tiny model can sample
+    rng = random.Random(0)
+    words = WORDS + ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(4000)]
+    texts = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(800)]
+    tok = BPETokenizer.train(texts, vocab_size=2048)
+    assert tok.vocab_size == 2048
+    path = tok.save(tmp_path_factory.mktemp("tok"))
+    return tok, str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, tmp_path_factory):
+    log = tmp_path_factory.mktemp("srv") / "local_engine.log"
+    srv = launch_local_server(overrides=["rollout.local.seed=0", "rollout.local.max_running_requests=64"],
+                              log_path=log, timeout_s=180, tokenizer=tokenizer[1])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model_a():
+    return load_hf_model(MODEL, seed=0)
+
+
+class OneDoc(SearchBackend):
+    def search(self, query, k):
+        return [SearchResult("t", "u", "s", "d")]
+
+
+@torch.no_grad()
+def plain_scores(model, ids):
+    out = model(input_ids=torch.tensor([ids]), use_cache=False, output_router_logits=True)
+    logp = torch.log_softmax(out.logits[0, :-1].double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    experts = torch.stack([torch.topk(torch.softmax(r.float(), -1), 2).indices for r in out.router_logits], 1)
+    return logp, experts.numpy()
+
+
+@torch.no_grad()
+def plain_greedy(model, ids, n):
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def test_agent_64_concurrent_rollouts_over_http(server, tokenizer, model_a):
+    tok, _ = tokenizer
+    enc = ChatEncoder(tok, ChatFormat("qwen3"))
+    settings = AgentSettings(max_new_tokens=12, max_total_tokens=1024, temperature=1.0, concurrency=64,
+                             return_routed_experts=True)
+
+    async def go():
+        client = SGLangClient(server.url)
+        agent = SearchAgent(client, enc, SearchTool(OneDoc()), settings)
+        tasks = [AgentTask([{"role": "user", "content": f"question {i}: {WORDS[i % len(WORDS)]}"}], seed=i)
+                 for i in range(64)]
+        try:
+            return await agent.run_many(tasks, progress=False)
+        finally:
+            await client.close()
+
+    rollouts = asyncio.run(go())
+    assert len(rollouts) == 64
+    worst = 0.0
+    for r in rollouts:
+        r.check()
+        assert r.weight_versions == ["default"] and r.num_model_tokens > 0
+        ref_lp, ref_experts = plain_scores(model_a, r.token_ids)
+        got = torch.tensor(r.logprobs[1:], dtype=torch.float64)
+        model_pos = torch.tensor(r.loss_mask[1:], dtype=torch.bool)  # logprob of token t sits at t-1 in ref
+        worst = max(worst, float((got - ref_lp)[model_pos].abs().max()))
+        assert torch.all(got[~model_pos] == 0)
+        assert r.routed_experts_NLK.shape == (len(r.token_ids) - 1, 4, 2)
+        np.testing.assert_array_equal(r.routed_experts_NLK, ref_experts[:-1])
+    assert worst < 1e-4, worst
+
+
+def test_weight_updates_over_http(server, model_a, tmp_path):
+    model_b = load_hf_model(MODEL, seed=1)
+    prompt = [11, 22, 33, 44, 55, 66]
+    want_a, want_b = plain_greedy(model_a, prompt, 6), plain_greedy(model_b, prompt, 6)
+    assert want_a != want_b
+    greedy = GenerateRequest(prompt, SamplingParams(max_new_tokens=6, temperature=0.0))
+    save_file({n: p.detach().clone() for n, p in model_a.named_parameters()}, str(tmp_path / "model.safetensors"))
+
+    async def go():
+        client = SGLangClient(server.url)
+        try:
+            await client.update_weights_from_tensor(list(model_b.named_parameters()), weight_version="v1")
+            r = await client.generate(greedy)
+            assert (r.output_ids, r.weight_version) == (want_b, "v1")
+
+            await client.update_weights_from_disk(str(tmp_path), weight_version="v2")
+            r = await client.generate(greedy)
+            assert (r.output_ids, r.weight_version) == (want_a, "v2")
+
+            # trainer = rank 0 of a gloo group; the engine joins as rank 1 and receives broadcasts
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            _, group = await asyncio.gather(
+                client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo"),
+                asyncio.to_thread(open_gloo_group, "127.0.0.1", port, 0, 2, "wg"))
+            named = [(n, p.detach()) for n, p in model_b.named_parameters()]
+            await asyncio.gather(
+                client.update_weights_from_distributed([n for n, _ in named], [t.dtype for _, t in named],
+                                                       [list(t.shape) for _, t in named], "wg", weight_version="v3"),
+                asyncio.to_thread(send_named_tensors, group, named))
+            r = await client.generate(greedy)
+            assert (r.output_ids, r.weight_version) == (want_b, "v3")
+            await client.destroy_weights_update_group("wg")
+
+            with pytest.raises(EngineError, match="lm_headd.weight: no such parameter"):
+                await client.update_weights_from_tensor([("lm_headd.weight", torch.zeros(2048, 64))])
+            await client.update_weights_from_disk(str(tmp_path), weight_version="default")
+            assert (await client.generate(greedy)).output_ids == want_a
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_errors_and_control_endpoints(server):
+    async def go():
+        client = SGLangClient(server.url)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{server.url}/generate", json={"input_ids": "abc"}) as resp:
+                    assert resp.status == 400 and "input_ids" in (await resp.json())["message"]
+                async with s.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"topk": 3}}) as resp:
+                    assert resp.status == 400 and "topk" in (await resp.json())["message"]
+            with pytest.raises(EngineError, match="outside the vocabulary"):
+                await client.generate(GenerateRequest([5000]))
+            info = await client.get_model_info()
+            assert (info.num_moe_layers, info.moe_top_k) == (4, 2)
+            await client.pause_generation("in_place")
+            await client.continue_generation()
+            await client.flush_cache()
+            assert await client.health()
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def test_openai_chat_completions(server, tokenizer, model_a):
+    tok, _ = tokenizer
+    enc = ChatEncoder(tok, ChatFormat("qwen3"))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the capital of paris"}]
+    prompt = enc.prompt_ids(messages)
+    ids = plain_greedy(model_a, prompt, 8)
+    if tok.im_end_id in ids:
+        ids = ids[: ids.index(tok.im_end_id) + 1]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+            async with s.post(f"{server.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json()
+
+    out = asyncio.run(go())
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert (choice["message"]["content"] or "") == enc.parse_turn(ids).content
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                            "total_tokens": len(prompt) + len(ids)}
