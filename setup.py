@@ -34,6 +34,7 @@ setup(
         "matplotlib>=3.8",
         "lingua-language-detector>=2.0",
         "pyarrow>=14",  # parquet files of the public QA sets (data/public.py)
+        "psutil>=5.9",  # megatron.core.dist_checkpointing's file writer needs it (weights/checkpoint.py)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.0"],

@@ -1,0 +1,153 @@
+"""HF safetensors <-> Megatron distributed checkpoint, on every rank of a TP x PP x EP world.
+
+hf_to_mcore: each rank builds its model shard, fills it tensor by tensor from the HF files
+(`load.py`) and all ranks save one `megatron.core.dist_checkpointing` checkpoint; the checkpoint
+is layout-free, so it loads at any other TP/PP/EP. mcore_to_hf: each rank builds its shard at any
+layout, loads the distributed checkpoint (Megatron reshards), and the bucketed exporter streams
+HF tensors to rank 0, which writes sharded safetensors. Beside the Megatron files, `hf_extra/`
+keeps what Megatron does not hold (config.json, tokenizer and generation files, vision / MTP
+tensors), so a round trip gives back the full HF checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_search.config.hf import architecture_from_hf, load_hf_config
+from megatron_search.models.hf_mapping import Mapping
+from megatron_search.weights.export import HFExporter
+from megatron_search.weights.hf_source import HFTensorSource
+from megatron_search.weights.load import CheckpointMismatchError, load_hf_into_model
+from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
+
+EXTRA_DIR = "hf_extra"
+PASSTHROUGH_FILE = "passthrough.safetensors"
+# Small files of an HF checkpoint that travel with it unchanged.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+              "merges.txt", "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json")
+
+
+def _state_dict_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"  # Megatron's own naming (model0, model1 with VPP)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def check_architecture(cfg, hf_config_path: Path) -> None:
+    """The architecture of cfg.model must equal the one stored with the checkpoint."""
+    stored = architecture_from_hf(load_hf_config(hf_config_path), where=str(hf_config_path))
+    want = cfg.model.architecture
+    if stored != want:
+        diffs = [f"{k}: checkpoint {getattr(stored, k)} vs config {getattr(want, k)}"
+                 for k in stored.__dataclass_fields__ if getattr(stored, k) != getattr(want, k)]
+        raise CheckpointMismatchError(
+            f"{hf_config_path}: the checkpoint's architecture does not match model.hf_config "
+            f"({cfg.model.hf_config}): " + "; ".join(diffs)
+        )
+
+
+def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progress: bool = True) -> None:
+    """Convert an HF safetensors directory to a Megatron distributed checkpoint (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_search.models.provider import build_model_chunks
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_architecture(cfg, hf_dir / "config.json")
+    arch = cfg.model.architecture
+    source = HFTensorSource.from_dir(hf_dir)
+    chunks = build_model_chunks(cfg)
+    load_hf_into_model(chunks, arch, source, groups, progress=progress)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+    dist_checkpointing.save(sharded, str(out_dir))
+    if rank0:
+        _write_extra(hf_dir, out_dir / EXTRA_DIR, source, Mapping(arch))
+    _barrier()
+
+
+def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Mapping) -> None:
+    extra.mkdir(parents=True, exist_ok=True)
+    for name in SIDE_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copy2(hf_dir / name, extra / name)
+    carried = sorted(n for n in source.names() if mapping.is_passthrough(n))
+    if carried:
+        writer = ShardedSafetensorsWriter(extra / "passthrough")
+        for n in carried:
+            writer.add(n, source.get(n))
+        writer.close()
+
+
+def load_mcore_checkpoint(cfg, ckpt_dir: str | Path) -> list[torch.nn.Module]:
+    """Build this rank's model chunks and load a distributed checkpoint into them (any layout)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_search.models.provider import build_model_chunks
+
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir}: not a Megatron distributed checkpoint (no metadata.json)")
+    if (ckpt_dir / EXTRA_DIR / "config.json").is_file():
+        check_architecture(cfg, ckpt_dir / EXTRA_DIR / "config.json")
+    chunks = build_model_chunks(cfg)
+    sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded[_state_dict_key(i, len(chunks))], strict=False)
+    return chunks
+
+
+def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucket_bytes: int = 512 << 20,
+                max_shard_bytes: int = 4 << 30, out_dtype: Optional[torch.dtype] = None,
+                progress: bool = True) -> Optional[dict[str, Any]]:
+    """Convert a Megatron distributed checkpoint to HF safetensors (collective; rank 0 writes).
+
+    Returns a summary on rank 0 (tensor count, bytes, files), None elsewhere.
+    """
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    chunks = load_mcore_checkpoint(cfg, ckpt_dir)
+    exporter = HFExporter(chunks, cfg.model.architecture, groups, bucket_bytes, out_dtype=out_dtype)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank0 else None
+    count = 0
+    bar = tqdm(total=exporter.total_bytes, unit="B", unit_scale=True, desc="export Megatron -> HF",
+               disable=not (progress and rank0))
+    for bucket in exporter:
+        for name, t in bucket:
+            writer.add(name, t)
+            count += 1
+            bar.update(t.numel() * t.element_size())
+    bar.close()
+    if not rank0:
+        _barrier()
+        return None
+    extra = ckpt_dir / EXTRA_DIR
+    carried = extra / "passthrough"
+    if carried.is_dir():
+        src = HFTensorSource.from_dir(carried)
+        for n in sorted(src.names()):
+            writer.add(n, src.get(n))
+            count += 1
+    files = writer.close()
+    for name in SIDE_FILES:
+        if (extra / name).is_file():
+            shutil.copy2(extra / name, out_dir / name)
+    _barrier()
+    return {"tensors": count, "bytes": writer.total_bytes, "files": files}
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,113 @@
+"""Command-line conversion HF <-> Megatron distributed checkpoint (shared by tools/ and the CLI).
+
+    python tools/convert_hf_to_mcore.py --hf DIR --out DIR [--tp 2 --pp 2 --ep 2]
+    python tools/convert_mcore_to_hf.py --mcore DIR --out DIR [--tp 1 ...] [--dtype bfloat16]
+
+The layout flags say how many ranks convert (TP x PP x EP processes, spawned locally unless
+launched by torchrun/srun); the Megatron checkpoint itself is layout-free and loads at any layout.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_search.weights.checkpoint import EXTRA_DIR
+from megatron_search.weights.launch import run_ranks
+
+
+def world_size_for(tp: int, pp: int, ep: int, etp: int) -> int:
+    """Smallest world for the layout: EP x ETP must divide the TP x DP ranks of a pipeline stage."""
+    return pp * math.lcm(tp, ep * etp)
+
+
+def _overrides(hf_config: str, tp: int, pp: int, ep: int, etp: int, extra: Sequence[str]) -> list[str]:
+    out = [f"model.hf_config={hf_config}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}",
+           f"parallel.etp={etp}", f"parallel.world_size={world_size_for(tp, pp, ep, etp)}"]
+    if tp > 1:
+        out.append("parallel.sequence_parallel=true")  # Megatron MoE with TP needs sequence parallel
+    return out + list(extra)
+
+
+def _rank_main(direction: str, config: Optional[str], overrides: list[str], src: str, dst: str, opts: dict):
+    import torch
+
+    from megatron_search.config.loader import load_config
+    from megatron_search.distributed.init import init_distributed
+    from megatron_search.weights.checkpoint import hf_to_mcore, mcore_to_hf
+
+    cfg = load_config(config, overrides)
+    ctx = init_distributed(cfg)
+    try:
+        if direction == "hf_to_mcore":
+            hf_to_mcore(cfg, src, dst, ctx.groups, progress=opts.get("progress", True))
+            return None
+        dtype = getattr(torch, opts["dtype"]) if opts.get("dtype") else None
+        return mcore_to_hf(cfg, src, dst, ctx.groups, bucket_bytes=opts["bucket_mb"] << 20,
+                           max_shard_bytes=opts["shard_mb"] << 20, out_dtype=dtype,
+                           progress=opts.get("progress", True))
+    finally:
+        ctx.teardown()
+
+
+def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optional[str] = None,
+            hf_config: Optional[str] = None, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+            overrides: Sequence[str] = (), bucket_mb: int = 512, shard_mb: int = 4096,
+            dtype: Optional[str] = None, progress: bool = True):
+    """Run one conversion on tp*pp*ep ranks; returns rank 0's summary (mcore_to_hf) or None."""
+    if direction not in ("hf_to_mcore", "mcore_to_hf"):
+        raise ValueError(f"direction must be hf_to_mcore or mcore_to_hf, got {direction!r}")
+    src, dst = str(Path(src).resolve()), str(Path(dst).resolve())
+    if etp is None:  # Megatron: without EP the experts are sharded like the dense layers
+        etp = tp if ep == 1 else 1
+    if hf_config is None:
+        hf_config = src if direction == "hf_to_mcore" else str(Path(src) / EXTRA_DIR)
+    if not (Path(hf_config) / "config.json").is_file() and not Path(hf_config).is_file():
+        raise FileNotFoundError(f"{hf_config}: no config.json (pass --hf-config)")
+    ov = _overrides(hf_config, tp, pp, ep, etp, overrides)
+    opts = dict(bucket_mb=bucket_mb, shard_mb=shard_mb, dtype=dtype, progress=progress)
+    world = world_size_for(tp, pp, ep, etp)
+    results = run_ranks(_rank_main, world, direction, config, ov, src, dst, opts)
+    return results[0]
+
+
+def build_parser(direction: str) -> argparse.ArgumentParser:
+    src_flag = "--hf" if direction == "hf_to_mcore" else "--mcore"
+    p = argparse.ArgumentParser(
+        description="Convert an HF safetensors checkpoint to a Megatron distributed checkpoint"
+        if direction == "hf_to_mcore" else "Convert a Megatron distributed checkpoint to HF safetensors"
+    )
+    p.add_argument(src_flag, dest="src", required=True, help="source checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--config", default=None, help="megatron-search YAML (defaults: built-in schema defaults)")
+    p.add_argument("--hf-config", default=None, help="HF config.json (default: the source's)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None, help="expert TP (default: TP when EP=1, else 1)")
+    p.add_argument("--bucket-mb", type=int, default=512, help="export bucket size (mcore -> HF)")
+    p.add_argument("--shard-mb", type=int, default=4096, help="largest safetensors file (mcore -> HF)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="cast exported tensors (mcore -> HF); default: keep the checkpoint's dtype")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
+    return p
+
+
+def main(direction: str, argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser(direction).parse_args(argv)
+    summary = convert(direction, args.src, args.out, config=args.config, hf_config=args.hf_config, tp=args.tp,
+                      pp=args.pp, ep=args.ep, etp=args.etp, overrides=args.overrides, bucket_mb=args.bucket_mb,
+                      shard_mb=args.shard_mb, dtype=args.dtype, progress=not args.no_progress)
+    if summary:
+        print(f"wrote {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} "
+              f"file(s) to {args.out}")
+    else:
+        print(f"wrote Megatron distributed checkpoint to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1]))
