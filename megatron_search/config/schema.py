@@ -16,6 +16,7 @@ from .hf import HFConfigError
 from .model import ModelConfig, ParallelConfig
 from .reward import RewardConfig
 from .rl import GRPOConfig
+from .rm import RMConfig
 from .rollout import RolloutConfig, SearchConfig
 from .training import CheckpointConfig, LoggingConfig, OptimConfig, RunConfig, SFTConfig
 
@@ -28,6 +29,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    rm: RMConfig = Field(default_factory=RMConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     search: SearchConfig = Field(default_factory=SearchConfig)
     data: DataConfig = Field(default_factory=DataConfig)
