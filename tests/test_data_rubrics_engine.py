@@ -40,17 +40,19 @@ def chat(world):
     return ChatEndpoint(tok, ChatFormat("qwen3"), "tiny-qwen3-moe", default_max_tokens=16)
 
 
-def _run_pipeline(world, chat, cache_dir):
+def _run_pipeline(world, chat, cache_dir, serve: bool = True):
     rows = demo_rubric_rows(world, 2, seed=4)
     rows.append({"id": "needs-generation", "messages": [{"role": "user", "content": "Plan a two-day visit to a city."}]})
 
     async def go():
-        engine = LocalEngine(MODEL, seed=0, max_running_requests=8)
-        runner = web.AppRunner(build_app(engine, chat))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = None, "http://127.0.0.1:9"  # nothing listens there: any request would fail
+        if serve:
+            engine = LocalEngine(MODEL, seed=0, max_running_requests=8)
+            runner = web.AppRunner(build_app(engine, chat))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         client = LLMClient(url, model="tiny", cache_dir=cache_dir, timeout_s=120, retries=0)
         try:
             pipe = RubricPipeline(client, client, client, samples=4, sample_temperature=1.0, max_tokens=16)
@@ -58,7 +60,8 @@ def _run_pipeline(world, chat, cache_dir):
             return kept, dropped, client.http_requests
         finally:
             await client.close()
-            await runner.cleanup()
+            if runner is not None:
+                await runner.cleanup()
 
     return asyncio.run(go())
 
@@ -79,8 +82,8 @@ def test_rubric_pipeline_against_the_local_engine(world, chat, tmp_path):
         # verdicts are the rubric checks of the served samples, recomputed here
         assert item.verdicts == [[bool(check_rubric(r.text, s)) for r in item.rubrics] for s in item.samples]
         assert calibration_keep([all(v) for v in item.verdicts])[0]
-    # a re-run is served from the cache: no request reaches the server, same outcome
-    kept2, dropped2, requests2 = _run_pipeline(world, chat, tmp_path / "cache")
+    # a re-run is served from the cache: no server at all, no request, same outcome
+    kept2, dropped2, requests2 = _run_pipeline(world, chat, tmp_path / "cache", serve=False)
     assert requests2 == 0
     assert [k.to_dict() for k in kept2] == [k.to_dict() for k in kept]
     assert [vars(d) for d in dropped2] == [vars(d) for d in dropped]
