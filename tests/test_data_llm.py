@@ -11,8 +11,7 @@ from aiohttp import web
 
 from megatron_search.data.llm_client import ChatReply, LLMClient, LLMError, LLMOutputError, parse_json_reply
 from megatron_search.data.prompts import load_lines
-from megatron_search.data.rubrics import (Rubric, RubricDrop, RubricItem, RubricPipeline, calibration_keep,
-                                          item_from_row, rubric_problems)
+from megatron_search.data.rubrics import RubricPipeline, calibration_keep, item_from_row, rubric_problems
 
 
 class Stub:

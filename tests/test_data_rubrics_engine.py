@@ -15,7 +15,7 @@ from aiohttp import web
 from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.rubric_checks import check_rubric
 from megatron_search.data.rubric_demo import demo_rubric_rows
-from megatron_search.data.rubrics import RubricDrop, RubricItem, RubricPipeline, calibration_keep, item_from_row
+from megatron_search.data.rubrics import RubricItem, RubricPipeline, calibration_keep, item_from_row
 from megatron_search.data.world import build_world
 from megatron_search.rollout.chat_endpoint import ChatEndpoint
 from megatron_search.rollout.chat_format import ChatFormat

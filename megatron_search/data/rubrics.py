@@ -18,7 +18,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from .llm_client import LLMClient, LLMError, LLMOutputError, parse_json_reply
+from .llm_client import LLMClient, LLMError, LLMOutputError
 from .prompts import load_lines, load_prompt
 from .rubric_checks import check_rubric
 
