@@ -1,0 +1,166 @@
+"""Train the preference reward model with the symmetric Bradley-Terry loss (RECIPE 5.1).
+
+    trainer = RMTrainer(cfg, ctx)              # policy backbone (+ rm.init_from) and a value head
+    result = train_rm(trainer, train_pairs, eval_pairs, encoder, pad_id)
+
+Every step takes `rm.global_batch_pairs` pairs (each two rows, see rm/scorer.py), the same on
+every rank, and slices them over data parallelism; the order is a seeded permutation per epoch,
+a pure function of the step, so a resumed run sees the same pairs as an uninterrupted one.
+Logged to TensorBoard: rm/loss, rm/accuracy, rm/margin (training batch), rm/grad_norm, rm/lr and
+rm/eval_{loss,accuracy,margin} on the held-out pairs. Checkpoints: the trainer core's complete
+run state (train/core.py) every checkpoint.save_interval steps and at the end.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_search.rewards.bradley_terry import debiased_delta, symmetric_bt_loss
+from megatron_search.train.core import Trainer, checkpoint_root
+from megatron_search.train.metrics import MetricsWriter, format_line
+from megatron_search.train.signals import StopRequest
+
+from .data import PreferencePair
+from .model import build_reward_model_chunks, init_from_policy, values_at
+from .sbs import evaluate_pairs
+from .scorer import PairEncoder, RMScorer, make_batch, pair_deltas
+
+
+class RMTrainer(Trainer):
+    """The trainer core (DDP, optimizer, LR schedule, checkpoints) around reward-model chunks."""
+
+    def __init__(self, cfg, ctx, total_steps: Optional[int] = None):
+        from megatron_search.distributed.step import make_optimizer, wrap_ddp
+
+        total_steps = total_steps or cfg.rm.steps
+        if total_steps < 1:
+            raise ValueError(f"RMTrainer: total_steps must be >= 1, got {total_steps}")
+        self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
+        self.model = build_reward_model_chunks(cfg)
+        self.init_note = "random init"
+        if cfg.rm.init_from:
+            self.init_note = init_from_policy(self.model, cfg, cfg.rm.init_from, ctx.groups)
+        self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)
+        self.optimizer = make_optimizer(cfg, self.ddp)
+        self.iteration = 0
+        self.consumed_tokens = 0
+        self.root = checkpoint_root(cfg)
+
+
+def load_rm_weights(chunks: list, path: str | Path) -> Path:
+    """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir."""
+    from megatron_search.train.checkpoint import _dist_ckpt, read_trainer_meta
+    from megatron_search.train.checkpoint_dir import latest_checkpoint
+
+    path = Path(path)
+    ckpt = path if (path / "trainer.json").is_file() else latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"rm.load: no complete RM checkpoint at or under {path}")
+    meta = read_trainer_meta(ckpt)
+    if meta["num_chunks"] != len(chunks):
+        raise ValueError(f"rm.load: {ckpt} has {meta['num_chunks']} model chunk(s), this layout builds {len(chunks)}")
+    state = _dist_ckpt().load({f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)},
+                              str(ckpt / "model_optim"))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(state[f"model{i}"])
+    return ckpt
+
+
+def step_pairs(n: int, global_pairs: int, step: int, seed: int) -> list[int]:
+    """Indices of the pairs of `step`: positions [step*G, (step+1)*G) of the per-epoch permutations."""
+    out = []
+    for pos in range(step * global_pairs, (step + 1) * global_pairs):
+        epoch, k = divmod(pos, n)
+        perm = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        out.append(perm[k])
+    return out
+
+
+def pairs_batch(pairs: Sequence[PreferencePair], encoder: PairEncoder, pad_id: int, seq_multiple: int):
+    rows, labels = [], []
+    for p in pairs:
+        rows.extend(encoder.pair_rows(p.messages, p.answer_a, p.answer_b))
+        labels.extend([p.label, p.label])
+    return make_batch(rows, pad_id, labels, seq_multiple=seq_multiple)
+
+
+def _loss_fn(kind, sink: list):
+    def loss_fn(output, batch):
+        v = values_at(output, batch.last_index)
+        d_ab, d_ba = pair_deltas(kind, v)
+        r = batch.pair_label[0::2].to(v.dtype)
+        loss = symmetric_bt_loss(d_ab, d_ba, r).mean()
+        signed = debiased_delta(d_ab, d_ba).detach() * (2.0 * r - 1.0)
+        sink.append(torch.stack([(signed > 0).double().sum(), signed.double().sum(),
+                                 torch.tensor(float(r.numel()), dtype=torch.float64)]))
+        return loss, {"loss": loss.detach().clone()}
+
+    return loss_fn
+
+
+def _global_sums(parts: list) -> torch.Tensor:
+    """[correct, margin sum, pairs] summed over microbatches, DP ranks and (zeros off the last stage) PP."""
+    from megatron.core import parallel_state as ps
+
+    t = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return t
+
+
+def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pairs: Sequence[PreferencePair],
+             encoder: PairEncoder, pad_id: int, progress: bool = True, log=print) -> dict:
+    """Run (or resume) RM training to trainer.total_steps; returns the final metrics."""
+    from tqdm import tqdm
+
+    cfg, rm = trainer.cfg, trainer.cfg.rm
+    if not train_pairs:
+        raise ValueError("rm train: no training pairs")
+    dp = trainer.ctx.dp_size
+    if rm.global_batch_pairs % (dp * rm.micro_batch_pairs):
+        raise ValueError(f"rm.global_batch_pairs={rm.global_batch_pairs} must be a multiple of data-parallel size "
+                         f"{dp} x rm.micro_batch_pairs={rm.micro_batch_pairs}")
+    seq_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    scorer = RMScorer(trainer.model, encoder, pad_id, 2 * rm.score_batch_pairs, seq_multiple)
+    trainer.resume()
+    main = trainer.ctx.is_main
+    writer = MetricsWriter(Path(cfg.run.output_dir) / "tensorboard", enabled=cfg.logging.tensorboard and main)
+    stop = StopRequest()
+    result: dict = {"init": trainer.init_note}
+    try:
+        bar = tqdm(total=trainer.total_steps, initial=trainer.iteration, desc="rm train",
+                   disable=not (progress and cfg.logging.progress_bars and main))
+        while trainer.iteration < trainer.total_steps:
+            idx = step_pairs(len(train_pairs), rm.global_batch_pairs, trainer.iteration, rm.seed)
+            batch = pairs_batch([train_pairs[i] for i in idx], encoder, pad_id, seq_multiple)
+            sink: list = []
+            m = trainer.step(trainer.dp_slice(batch), _loss_fn(encoder.kind, sink), 2 * rm.micro_batch_pairs)
+            correct, margin, n = _global_sums(sink).tolist()
+            scalars = {"rm/loss": m["loss"], "rm/accuracy": correct / n, "rm/margin": margin / n,
+                       "rm/grad_norm": m["grad_norm"], "rm/lr": m["lr"]}
+            it = trainer.iteration
+            if eval_pairs and ((rm.eval_interval and it % rm.eval_interval == 0) or it == trainer.total_steps):
+                ev = evaluate_pairs(scorer, eval_pairs)
+                scalars.update({f"rm/eval_{k}": ev[k] for k in ("loss", "accuracy", "margin")})
+                result["eval"] = ev
+            writer.scalars(it, scalars)
+            if main and it % cfg.logging.log_interval == 0 and not progress:
+                log(format_line(it, scalars, list(scalars)))
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{correct / n:.2f}")
+            bar.update(1)
+            result["train"] = scalars
+            if trainer.should_save() or it == trainer.total_steps or stop.requested:
+                result["checkpoint"] = str(trainer.save(extra={"kind": encoder.kind}))
+            if stop.requested:
+                result["stopped_by_signal"] = stop.signum
+                break
+        bar.close()
+    finally:
+        stop.restore()
+        writer.close()
+    return result
