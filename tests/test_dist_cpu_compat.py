@@ -75,3 +75,19 @@ def test_megatron_modules_imported_later_are_rebound():
     assert was_loaded or getattr(module.torch, "_megatron_search_cpu_proxy", False)
     assert getattr(importlib.import_module("megatron.core.transformer.moe.router").torch,
                    "_megatron_search_cpu_proxy", False)
+
+
+def test_cpu_grad_clipping_scales_by_max_over_total():
+    p1, p2 = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    p1.grad, p2.grad = torch.tensor([3.0, 0.0, 4.0]), torch.tensor([0.0, 12.0])
+    total = 13.0  # sqrt(9 + 16 + 144)
+    cpu_compat._clip_grad_by_total_norm_fp32_cpu([p1, p2], max_norm=1.0, total_norm=total)
+    coeff = 1.0 / (total + 1e-6)
+    assert torch.allclose(p1.grad, torch.tensor([3.0, 0.0, 4.0]) * coeff)
+    assert torch.allclose(p2.grad, torch.tensor([0.0, 12.0]) * coeff)
+    cpu_compat._clip_grad_by_total_norm_fp32_cpu([p1], max_norm=100.0, total_norm=1.0)  # below the max: unchanged
+    assert torch.allclose(p1.grad, torch.tensor([3.0, 0.0, 4.0]) * coeff)
+    p3 = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16))
+    p3.grad = torch.zeros(1, dtype=torch.float16)
+    with pytest.raises(TypeError, match="float16"):
+        cpu_compat._clip_grad_by_total_norm_fp32_cpu([p3], max_norm=1.0, total_norm=2.0)

@@ -78,3 +78,11 @@ def test_expert_tp_must_equal_tp_without_expert_parallel():
     assert load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"]).parallel.etp == 2  # follows TP
     load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"])
     load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.world_size=4"])
+
+
+def test_init_distributed_checks_the_real_world_size():
+    from megatron_search.distributed import DistEnv, LayoutError, init_distributed
+
+    cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    with pytest.raises(LayoutError, match=r"parallel\.world_size: 1 is not TP x PP x CP x DP"):
+        init_distributed(cfg, env=DistEnv(0, 1, 0, "127.0.0.1", 0, "single"))
