@@ -1,0 +1,139 @@
+"""MoE routing replay: force the rollout engine's expert choices in the Megatron forward/backward.
+
+The engine reports, per token and MoE layer, the top-k experts it used (`routed_experts`, shape
+[T, L, K], SGLang's layout; the agent loop stores them aligned to the token ids). Megatron-Core
+0.16.1 can replay them: with `moe_enable_routing_replay=True` every TopKRouter owns a
+`RouterReplay`; in REPLAY_FORWARD it takes the given indices instead of its own top-k (the gate
+probabilities are still its own, so gradients flow), and each target is also queued for
+REPLAY_BACKWARD, which activation recomputation uses. This module addresses the routers of the
+given model chunks directly (not Megatron's process-global instance list, which also holds
+routers of models built earlier), in global layer order, and slices each layer's targets to the
+tokens the router sees on this rank (sequence parallel splits the sequence over TP).
+
+Token order inside Megatron is [S, B] (sequence-major); experts come in as [B, S, L, K].
+`ExpertRecorder` hooks the routers' outputs to read back which experts a forward really used,
+which gives the agreement metric when replay is off.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from megatron_search.weights.params import unwrap
+
+
+def enable_routing_replay(config) -> None:
+    """Switch routing replay on in a TransformerConfig before the model is built."""
+    config.moe_enable_routing_replay = True
+
+
+def moe_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+    """(global 0-based layer index, router) for every MoE layer of this rank, in layer order."""
+    out = []
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        for layer in model.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                out.append((layer.layer_number - 1, router))
+    return sorted(out, key=lambda x: x[0])
+
+
+def _local_tokens(experts_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """[B, S, K] -> [S_local * B, K] in the router's token order."""
+    s_major = experts_BSK.transpose(0, 1)  # [S, B, K]
+    if sequence_parallel and tp_size > 1:
+        s_major = torch.chunk(s_major, tp_size, dim=0)[tp_rank]
+    return s_major.reshape(-1, s_major.shape[-1]).to(torch.int64).contiguous()
+
+
+class RoutingReplay:
+    """Set / clear replay targets on the routers of `model_chunks` (this rank's layers)."""
+
+    def __init__(self, model_chunks, moe_layers: Sequence[int], *, tp_rank: int = 0, tp_size: int = 1,
+                 sequence_parallel: bool = False):
+        """`moe_layers`: global layer index of every column L of the experts tensor (all MoE layers)."""
+        self.routers = moe_routers(model_chunks)
+        missing = [l for l, r in self.routers if r.router_replay is None]
+        if missing:
+            raise RuntimeError(
+                f"routing replay: routers of layers {missing} have no RouterReplay; build the model with "
+                "moe_enable_routing_replay=True (grpo.routing_replay)"
+            )
+        self.column = {layer: i for i, layer in enumerate(moe_layers)}
+        absent = [l for l, _ in self.routers if l not in self.column]
+        if absent:
+            raise ValueError(f"routing replay: MoE layers {absent} of this rank are not in moe_layers {list(moe_layers)}")
+        self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
+
+    def set_targets(self, experts_BSLK: torch.Tensor) -> None:
+        """Replay these experts in the next forward (and its recomputation in backward)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if experts_BSLK.dim() != 4 or experts_BSLK.shape[2] != len(self.column):
+            raise ValueError(f"routing replay: experts must be [B, S, {len(self.column)}, K], got "
+                             f"{list(experts_BSLK.shape)}")
+        for layer, router in self.routers:
+            target = _local_tokens(experts_BSLK[:, :, self.column[layer]], self.tp_rank, self.tp_size, self.sp)
+            if target.shape[1] != router.topk:
+                raise ValueError(f"routing replay: layer {layer} routes top-{router.topk}, targets have {target.shape[1]}")
+            rr = router.router_replay
+            rr.clear_indices()
+            rr.set_target_indices(target)
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def start_backward(self) -> None:
+        """Before a backward that recomputes activations: replay the queued targets there too."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for _, router in self.routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def clear(self) -> None:
+        """Back to normal routing."""
+        for _, router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+
+class ExpertRecorder:
+    """Context manager recording the experts each router of `model_chunks` actually chose.
+
+    `experts()` returns {global layer: [tokens (router order), K] int64, sorted per token}.
+    """
+
+    def __init__(self, model_chunks):
+        self.routers = moe_routers(model_chunks)
+        self.seen: dict[int, list[torch.Tensor]] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "ExpertRecorder":
+        for layer, router in self.routers:
+            self._handles.append(router.register_forward_hook(self._hook(layer, router.topk)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, layer: int, k: int):
+        def hook(module, args, output):
+            routing_map = output[1]  # [tokens, E] bool: the experts each token is sent to
+            idx = routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], k)
+            self.seen.setdefault(layer, []).append(idx.detach().clone())
+        return hook
+
+    def experts(self) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat(v) for layer, v in self.seen.items()}
+
+
+def agreement_rate(a_NLK: torch.Tensor, b_NLK: torch.Tensor, valid_N: Optional[torch.Tensor] = None) -> float:
+    """Fraction of (token, layer) pairs whose top-k expert *sets* are equal (order ignored)."""
+    if a_NLK.shape != b_NLK.shape:
+        raise ValueError(f"agreement_rate: shapes differ {list(a_NLK.shape)} vs {list(b_NLK.shape)}")
+    same = (a_NLK.sort(-1).values == b_NLK.sort(-1).values).all(-1)  # [N, L]
+    if valid_N is not None:
+        same = same[valid_N.bool()]
+    return float(same.float().mean()) if same.numel() else 1.0
