@@ -193,3 +193,18 @@ def test_pause_abort_and_release():
         await eng.close()
 
     run(scenario())
+
+
+def test_identical_prompts_share_one_prefill(qwen3):
+    p = prompts(1, 12, 13, seed=13)[0]
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=5, seed=100 + i)) for i in range(6)]
+
+    async def go():
+        return await asyncio.gather(*(qwen3.generate(r) for r in reqs))
+
+    results = run(go())
+    assert sorted(r.cached_tokens for r in results)[1:] == [len(p)] * 5  # one real prefill, five shared
+    assert len({tuple(r.output_ids) for r in results}) > 1  # own seeds, own samples
+    for r in results:
+        ref = plain_logprobs(qwen3.runner.model, p + r.output_ids, 1.0)[len(p) - 1:]
+        assert torch.allclose(torch.tensor(r.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)

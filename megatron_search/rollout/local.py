@@ -201,14 +201,21 @@ class LocalEngine(Engine):
 
     def _step(self, batch: list[_Active]) -> None:
         """Worker thread: bring every request one sampled token further."""
-        fresh = [a for a in batch if a.state is None]
         ongoing = [a for a in batch if a.state is not None]
-        for a in fresh:
-            target = a.fed_target
+        # Requests with identical inputs (a GRPO group) share one prefill: states are never mutated
+        # (every forward builds new tensors), so they can start from the same state object.
+        groups: dict[tuple, list[_Active]] = {}
+        for a in batch:
+            if a.state is None:
+                groups.setdefault(tuple(a.fed_target), []).append(a)
+        for key, members in groups.items():
+            target = list(key)
             prefix = self.prefix.longest_prefix(target)
-            a.cached_tokens = len(prefix.tokens) if prefix else 0
-            a.state, logits = self.runner.prefill(target[a.cached_tokens:], prefix)
-            self._accept([a], logits[None])
+            cached = len(prefix.tokens) if prefix else 0
+            state, logits = self.runner.prefill(target[cached:], prefix)
+            for i, a in enumerate(members):
+                a.state, a.cached_tokens = state, cached if i == 0 else len(target)
+            self._accept(members, logits[None].expand(len(members), -1))
         if ongoing:
             states, logits = self.runner.decode([a.state for a in ongoing], [a.output_ids[-1] for a in ongoing])
             for a, s in zip(ongoing, states):
