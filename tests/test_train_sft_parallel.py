@@ -12,10 +12,12 @@ import pytest
 from _sft_helpers import sft_config, train_tokenizer, write_dataset
 
 LAYOUTS = {
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4", "checkpoint.save_interval=2"],
     "ep2": ["parallel.ep=2"],
     "pp2": ["parallel.pp=2"],
 }
+# Resume TP=2's step-2 checkpoint at PP=2 (weights and Adam state resharded) and train steps 3-4.
+CROSS = ["parallel.pp=2", "sft.steps=4", "checkpoint.resume=true"]
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
@@ -30,7 +32,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     env = DistEnv(rank, world, rank, "127.0.0.1", port, "torchrun")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {}
-    for name, overrides in LAYOUTS.items():
+    cross = [*CROSS, f"checkpoint.load={root / 'tp2_sp' / 'ckpt' / 'step_00000002'}"]
+    for name, overrides in [*LAYOUTS.items(), ("pp2_from_tp2", cross)]:
         cfg = sft_config(root / name, data, overrides, world=world)
         held = {}
 
@@ -44,6 +47,16 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                      if torch.equal(b, p.detach())]
         results[name] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], "unchanged": unchanged,
                          "params": len(held["before"]), "checkpoint": summary["checkpoint"]}
+    # EP=2 keeps expert parameters in a separate optimizer; EP=1 does not: a clear error, not a bad load.
+    from megatron_search.train.checkpoint import CheckpointError
+
+    bad = sft_config(root / "pp2_from_ep2", data, [*CROSS, f"checkpoint.load={root / 'ep2' / 'ckpt' / 'step_00000002'}"],
+                     world=world)
+    try:
+        run_sft(bad, env=env)
+        results["ep2_to_pp2_error"] = None
+    except CheckpointError as e:
+        results["ep2_to_pp2_error"] = str(e)
     (root / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -54,7 +67,7 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sft_parallel")
     write_dataset(root / "data.jsonl", range(6))
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, "pp2_from_tp2", "pp2_from_ep2"]:
         (root / name).mkdir()
         train_tokenizer(root / name)
     run_spawned(_worker, 2, str(root), timeout_s=300)
@@ -71,11 +84,29 @@ def test_two_step_sft_on_two_processes(results, layout):
         ranks[1][layout]["unchanged"] = []
     for r in ranks:
         got = r[layout]
-        assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"] + got["grad_norms"])
+        assert len(got["losses"]) == (4 if layout == "tp2_sp" else 2) and all(math.isfinite(x) for x in got["losses"] + got["grad_norms"])
         assert abs(got["losses"][0] - math.log(2048)) < 1.0  # untrained model: ~uniform over the vocabulary
         assert got["params"] > 0
         assert got["unchanged"] == [], (layout, got["unchanged"])  # every local parameter (shard) was updated
     assert ranks[0][layout]["losses"] == ranks[1][layout]["losses"]  # global loss, identical on both ranks
     ckpt = Path(ranks[0][layout]["checkpoint"])
-    assert ckpt.name == "step_00000002" and (ckpt / "model_optim" / "metadata.json").is_file()
+    assert ckpt.name == ("step_00000004" if layout == "tp2_sp" else "step_00000002") and (ckpt / "model_optim" / "metadata.json").is_file()
     assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_checkpoint_reshards_across_layouts(results):
+    """TP=2 checkpoint of step 2 resumed at PP=2: steps 3 and 4 give the losses the TP=2 run got (to
+    float tolerance: reductions run in another order), so weights, Adam moments and the data
+    position all carried over from TP shards into pipeline stages."""
+    root, ranks = results
+    for r in ranks:
+        tp2, cross = r["tp2_sp"], r["pp2_from_tp2"]
+        assert len(cross["losses"]) == 2
+        assert cross["losses"] == pytest.approx(tp2["losses"][2:], rel=1e-4)
+        assert cross["grad_norms"] == pytest.approx(tp2["grad_norms"][2:], rel=1e-4)
+        assert tp2["losses"][3] != pytest.approx(tp2["losses"][2], rel=1e-3)  # the steps really differ
+
+
+def test_optimizer_split_mismatch_is_a_clear_error(results):
+    for r in results[1]:
+        assert r["ep2_to_pp2_error"] is not None and "EP > 1 on both sides" in r["ep2_to_pp2_error"]

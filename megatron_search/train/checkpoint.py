@@ -42,6 +42,12 @@ _DIST_CKPT_MODULES = (
 )
 
 
+# Optimizer state in a layout-independent form: the distributed optimizer (GPU) saves per-parameter
+# tensors instead of its DP-specific flat buffers, so any TP/PP/EP/DP layout can load it; chained
+# optimizers (dense + expert groups) keep their keys unprefixed, as Megatron's own newer checkpoints.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing a part or does not match the run loading it."""
 
@@ -93,7 +99,7 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     for sd in model_sd.values():
         merged.update(sd)
     out = dict(model_sd)
-    out["optimizer"] = trainer.optimizer.sharded_state_dict(merged, is_loading=is_loading)
+    out["optimizer"] = trainer.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=OPTIM_METADATA)
     return out
 
 
@@ -156,6 +162,10 @@ def _agreed_nonce() -> str:
     return box[0]
 
 
+def _optimizer_parts(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _layout(trainer) -> dict:
     p = trainer.cfg.parallel
     return {"world_size": trainer.ctx.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep,
@@ -186,6 +196,7 @@ def write_run_state(trainer, directory: Path, extra: dict) -> None:
                             "warmup_steps": o.warmup_steps, "total_steps": trainer.total_steps},
             "layout": _layout(trainer),
             "num_chunks": len(trainer.model),
+            "optimizer_parts": _optimizer_parts(trainer.optimizer),
             "extra": extra,
         }
         (directory / TRAINER_JSON).write_text(json.dumps(meta, indent=1))
@@ -222,6 +233,12 @@ def load_run(trainer, path: Path) -> dict:
     if meta["num_chunks"] != len(trainer.model):
         raise CheckpointError(f"{path}: {meta['num_chunks']} model chunk(s) saved, this run has {len(trainer.model)} "
                               "(virtual pipeline stages differ; convert the checkpoint)")
+    saved_parts, parts = meta["optimizer_parts"], _optimizer_parts(trainer.optimizer)
+    if saved_parts != parts:
+        raise CheckpointError(
+            f"{path}: the optimizer was saved in {saved_parts} part(s) (dense / expert-parallel groups), this run "
+            f"has {parts}: Megatron splits expert parameters into their own optimizer only when EP > 1, so resume "
+            f"with EP > 1 on both sides or EP = 1 on both (saved layout {meta['layout']})")
     state = _dist_ckpt().load(_sharded_state(trainer, is_loading=True), str(Path(path) / MODEL_OPTIM))
     for i, chunk in enumerate(trainer.model):
         chunk.load_state_dict(state[f"model{i}"])
