@@ -1,0 +1,108 @@
+"""SGLang launcher and client without a GPU: the launch line, the routed-experts wire format, the
+client against a fake server that answers with SGLang-shaped JSON, and launch failures."""
+import asyncio
+import base64
+import sys
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from megatron_search.config import load_config
+from megatron_search.rollout.engine import EngineError, decode_routed_experts, encode_routed_experts
+from megatron_search.rollout.sglang import SGLangClient, ServerProcess, sglang_command
+from megatron_search.rollout.types import GenerateRequest, SamplingParams
+
+
+def test_launch_line_carries_the_flags_this_project_needs():
+    cfg = load_config(None, ["rollout.sglang.tp=8", "rollout.sglang.ep=8", "rollout.sglang.dp=2",
+                             "rollout.sglang.extra_args=[--attention-backend,fa3]"])
+    argv = sglang_command(cfg.rollout.sglang, "/ckpt/qwen", 30000, routing_replay=True, seed=7, weight_version="3")
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    pairs = dict(zip(argv[3::1], argv[4::1]))
+    for flag, value in {"--model-path": "/ckpt/qwen", "--tp-size": "8", "--ep-size": "8", "--dp-size": "2",
+                        "--host": "127.0.0.1", "--port": "30000", "--mem-fraction-static": "0.8",
+                        "--random-seed": "7", "--weight-version": "3"}.items():
+        assert pairs[flag] == value, flag
+    for flag in ("--skip-tokenizer-init", "--enable-memory-saver", "--enable-return-routed-experts"):
+        assert flag in argv
+    assert argv[-2:] == ["--attention-backend", "fa3"]
+    plain = sglang_command(load_config(None, ["rollout.sglang.enable_memory_saver=false"]).rollout.sglang,
+                           "/m", 1, routing_replay=False)
+    assert "--enable-return-routed-experts" not in plain and "--enable-memory-saver" not in plain
+
+
+def test_routed_experts_wire_format():
+    e = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2)
+    s = encode_routed_experts(e)
+    assert base64.b64decode(s) == e.astype("<i4").tobytes()
+    np.testing.assert_array_equal(decode_routed_experts(s, 3, 2, expected_rows=5), e)
+    with pytest.raises(EngineError, match="do not split"):
+        decode_routed_experts(s, 4, 2)
+    with pytest.raises(EngineError, match="expected 4"):
+        decode_routed_experts(s, 3, 2, expected_rows=4)
+
+
+def fake_sglang(seen: list):
+    """Answers /generate the way SGLang does with --skip-tokenizer-init and routed experts on."""
+
+    async def generate(request):
+        body = await request.json()
+        seen.append(body)
+        out = [7, 8, 151645]
+        rows = len(body["input_ids"]) + len(out) - 1 - body.get("routed_experts_start_len", 0)
+        experts = np.full((rows, 2, 2), 3, dtype=np.int32)
+        return web.json_response({"output_ids": out, "meta_info": {
+            "id": "x", "finish_reason": {"type": "stop", "matched": 151645}, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": 3, "cached_tokens": 2, "weight_version": "12",
+            "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None], [-0.25, 151645, None]],
+            "routed_experts": encode_routed_experts(experts)}})
+
+    async def update(request):
+        seen.append(await request.json())
+        return web.json_response({"success": False, "message": "Failed to update weights: shape mismatch"}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/update_weights_from_disk", update)
+    return app
+
+
+def test_client_against_sglang_shaped_answers():
+    seen = []
+
+    async def go():
+        runner = web.AppRunner(fake_sglang(seen))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        client = SGLangClient(url, moe_shape=(2, 2))
+        try:
+            req = GenerateRequest([1, 2, 3, 4], SamplingParams(max_new_tokens=9, temperature=0.6, stop_token_ids=(151645,)),
+                                  return_routed_experts=True, routed_experts_start_len=2)
+            res = await client.generate(req)
+            with pytest.raises(EngineError, match="shape mismatch"):
+                await client.update_weights_from_disk("/ckpt", weight_version="13")
+            return res
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    res = asyncio.run(go())
+    sent = seen[0]
+    assert sent["input_ids"] == [1, 2, 3, 4] and sent["return_logprob"] is True
+    assert sent["sampling_params"] == {"max_new_tokens": 9, "temperature": 0.6, "top_p": 1.0,
+                                       "stop_token_ids": [151645], "ignore_eos": False}
+    assert (sent["return_routed_experts"], sent["routed_experts_start_len"]) == (True, 2)
+    assert res.output_ids == [7, 8, 151645] and res.output_logprobs == [-0.5, -1.5, -0.25]
+    assert (res.finish_reason.type, res.finish_reason.matched, res.weight_version) == ("stop", 151645, "12")
+    assert res.routed_experts_NLK.shape == (4 + 3 - 1 - 2, 2, 2)
+    assert seen[1] == {"model_path": "/ckpt", "abort_all_requests": False, "weight_version": "13"}
+
+
+def test_server_that_dies_reports_its_log(tmp_path):
+    server = ServerProcess([sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"], tmp_path / "s.log")
+    with pytest.raises(EngineError, match="exited with code 3(.|\n)*boom: no GPU"):
+        server.wait_healthy("http://127.0.0.1:9", timeout_s=30)
+    server.stop()
