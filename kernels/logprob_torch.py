@@ -19,6 +19,9 @@ from .softmax_stats import NEG_INF, SoftmaxStats, rescale
 # Tile of the torch path: 64 x 8192 fp32 = 2 MiB per temporary (fits in L2, few Python steps).
 TORCH_BLOCK_ROWS = 64
 TORCH_BLOCK_COLS = 8192
+# log-probabilities below this are clamped where they multiply an exp(): exp underflows to exactly 0
+# in fp32 already near -104, so the clamp changes no result and turns 0 * -inf (NaN) into 0 * -1000.
+LOG_FLOOR = -1000.0
 
 
 def _target_in_tile(targets: torch.Tensor, first_id: int, width: int):
@@ -50,11 +53,13 @@ def online_stats_torch(
             m_safe = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
             hit, col = _target_in_tile(tgt, vocab_offset + c0, c1 - c0)
             st.xt.add_(torch.where(hit, x.gather(1, col[:, None]).squeeze(1), torch.zeros_like(m_new)))
-            e = x.sub_(m_safe[:, None]).exp_()  # exp(x - m), reusing the tile's buffer
+            if st.w is None:
+                e = x.sub_(m_safe[:, None]).exp_()  # exp(x - m), reusing the tile's buffer
+            else:
+                d = x.sub_(m_safe[:, None]).clamp_min_(LOG_FLOOR)
+                e = torch.exp(d)
+                st.w.copy_(w_old + (e * d).sum(dim=1))
             st.s.copy_(s_old + e.sum(dim=1))
-            if st.w is not None:
-                # e * (x - m) = e * log(e) = -entr(e); entr is 0 at e = 0 (logits of -inf)
-                st.w.copy_(w_old - torch.special.entr(e).sum(dim=1))
             st.m.copy_(m_new)
 
 
@@ -74,8 +79,7 @@ def write_grad_torch(
     """out[i, j] = g_logp_i * (1[j = t_i] - p_ij) - g_entropy_i * p_ij * (log p_ij + H_i).
 
     p_ij = exp(x_ij - lse_i). Terms with p = 0 (logit -inf) are 0. `out` may alias `logits`.
-    Computed as g_entropy * entr(p) - p * (g_logp + g_entropy * H) with entr(p) = -p log p, which
-    is exactly 0 at p = 0 and needs no log p tile.
+    Computed as p * c with c = -(g_logp + g_entropy * (H + max(log p, LOG_FLOOR))): one addcmul.
     """
     n_rows, n_cols = logits.shape
     for r0 in range(0, n_rows, block_rows):
@@ -83,12 +87,14 @@ def write_grad_torch(
         tgt, g = targets[r0:r1], g_logp[r0:r1, None]
         for c0 in range(0, n_cols, block_cols):
             c1 = min(c0 + block_cols, n_cols)
-            p = logits[r0:r1, c0:c1].to(torch.float32, copy=True).sub_(lse[r0:r1, None]).exp_()
+            logq = logits[r0:r1, c0:c1].to(torch.float32, copy=True).sub_(lse[r0:r1, None])
             if g_entropy is None:
-                grad = p.mul_(-g)
+                grad = logq.exp_().mul_(-g)
             else:
                 g_ent = g_entropy[r0:r1, None]
-                grad = torch.special.entr(p).mul_(g_ent).sub_(p.mul_(g + g_ent * entropy[r0:r1, None]))
+                logq.clamp_min_(LOG_FLOOR)
+                coef = torch.addcmul(-(g + g_ent * entropy[r0:r1, None]), logq, g_ent, value=-1.0)
+                grad = logq.exp_().mul_(coef)
             hit, col = _target_in_tile(tgt, vocab_offset + c0, c1 - c0)
             grad.scatter_add_(1, col[:, None], torch.where(hit, g_logp[r0:r1], torch.zeros_like(lse[r0:r1]))[:, None])
             out[r0:r1, c0:c1].copy_(grad)
