@@ -132,3 +132,13 @@ def test_cli_world_synth_sft_mix(tmp_path, capsys):
     p = [json.loads(l) for f in ("p1", "p2") for l in (tmp_path / f"{f}.jsonl").read_text().splitlines()]
     assert len(p) == 40 and sum(x["kind"] == "rubric" for x in p) == 4
     assert json.loads(state.read_text())["step"] == 40
+
+
+def test_rubric_rows_are_checked():
+    from megatron_search.data.jsonl import DataError
+    from megatron_search.data.mix import rubric_item
+
+    ok = rubric_item({"id": "r1", "messages": [{"role": "user", "content": "x"}], "rubrics": ["The answer is in English."]})
+    assert ok.kind == "rubric" and ok.rubrics == ["The answer is in English."]
+    with pytest.raises(DataError, match="rubric row r2: 'rubrics' must be a non-empty list"):
+        rubric_item({"id": "r2", "messages": [{"role": "user", "content": "x"}], "rubrics": []})

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from .jsonl import DataError
 from .records import QARecord
 
 
@@ -44,7 +45,13 @@ def qa_item(rec: QARecord, dataset: str = "qa") -> MixItem:
 
 def rubric_item(row: dict, dataset: str = "rubric") -> MixItem:
     """A rubric-chat row {id, messages, rubrics, ...} (the conversation up to the user turn to answer)."""
-    return MixItem(row["id"], dataset, "rubric", row["messages"], rubrics=list(row["rubrics"]))
+    rid = row.get("id", "?")
+    if not isinstance(row.get("messages"), list) or not row["messages"]:
+        raise DataError(f"rubric row {rid}: 'messages' must be a non-empty list")
+    rubrics = row.get("rubrics")
+    if not isinstance(rubrics, list) or not rubrics or not all(isinstance(r, str) and r.strip() for r in rubrics):
+        raise DataError(f"rubric row {rid}: 'rubrics' must be a non-empty list of strings")
+    return MixItem(str(rid), dataset, "rubric", row["messages"], rubrics=list(rubrics))
 
 
 def _perm(n: int, seed: int, name: str, epoch: int) -> list[int]:
