@@ -16,6 +16,7 @@ COMMANDS = [
     "index_cmd",
     "tokenizer_cmd",
     "sft_cmd",
+    "rm_cmd",
 ]
 
 
