@@ -20,7 +20,9 @@ from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.engine import EngineError
 from megatron_search.rollout.local_runner import load_hf_model
-from megatron_search.rollout.sglang import SGLangClient, launch_local_server
+from megatron_search.config import load_config
+from megatron_search.rollout.launch import start_engines
+from megatron_search.rollout.sglang import SGLangClient
 from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.weight_group import open_gloo_group, send_named_tensors
@@ -45,11 +47,13 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tokenizer, tmp_path_factory):
-    log = tmp_path_factory.mktemp("srv") / "local_engine.log"
-    srv = launch_local_server(overrides=["rollout.local.seed=0", "rollout.local.max_running_requests=64"],
-                              log_path=log, timeout_s=180, tokenizer=tokenizer[1])
-    yield srv
-    srv.stop()
+    # started the way training starts it (rollout.launch.start_engines), chat endpoint on model.tokenizer
+    cfg = load_config(None, [f"model.tokenizer={tokenizer[1]}", "rollout.local.seed=0",
+                             "rollout.local.max_running_requests=64", "rollout.local.startup_timeout_s=300"])
+    engines = start_engines(cfg, tmp_path_factory.mktemp("srv"))
+    assert len(engines.servers) == 1 and engines.clients[0].base_url == engines.servers[0].url
+    yield engines.servers[0]
+    engines.stop_servers()
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,26 @@ from .types import GenerateRequest, SamplingParams
 class ChatEndpoint:
     """Renders, generates through the server's engine, parses."""
 
-    def __init__(self, tokenizer: ChatTokenizer, fmt: ChatFormat, model_name: str, default_max_tokens: int):
-        self.encoder = ChatEncoder(tokenizer, fmt)
+    def __init__(self, tokenizer: ChatTokenizer | str, fmt: ChatFormat, model_name: str, default_max_tokens: int):
+        self._tokenizer = tokenizer  # a tokenizer, or a load_tokenizer spec loaded on first use
+        self._encoder: ChatEncoder | None = None
+        self.fmt = fmt
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.engine = None  # the Engine that generates; attached by local_server.build_app
 
     @classmethod
-    def from_name(cls, tokenizer_spec: str, cfg) -> "ChatEndpoint":
-        """`tokenizer_spec` as rollout.tokenizer.load_tokenizer takes it; chat style from the model type."""
-        arch = cfg.model.architecture
-        style = "qwen3_5" if "qwen3_5" in str(getattr(arch, "model_type", "")) else "qwen3"
-        return cls(load_tokenizer(tokenizer_spec), ChatFormat(style), str(cfg.model.hf_config), cfg.eval.max_new_tokens)
+    def from_config(cls, cfg, tokenizer_spec: str | None = None) -> "ChatEndpoint":
+        """Tokenizer `tokenizer_spec` or model.tokenizer, chat style model.chat_style."""
+        return cls(tokenizer_spec or cfg.model.tokenizer, ChatFormat(cfg.model.chat_style), str(cfg.model.hf_config),
+                   cfg.eval.max_new_tokens)
+
+    @property
+    def encoder(self) -> ChatEncoder:
+        if self._encoder is None:
+            tok = load_tokenizer(self._tokenizer) if isinstance(self._tokenizer, str) else self._tokenizer
+            self._encoder = ChatEncoder(tok, self.fmt)
+        return self._encoder
 
     def _request(self, body: dict) -> tuple[GenerateRequest, list | None]:
         where = "/v1/chat/completions"

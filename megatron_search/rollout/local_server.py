@@ -310,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--host", default=None, help="default: rollout.local.host (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: rollout.local.port (0 = free port)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for /v1/chat/completions (see rollout/tokenizer.py)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for /v1/chat/completions; default: model.tokenizer")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     config = args.config
@@ -324,11 +324,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LocalEngine.from_config(cfg)
-    chat = None
-    if args.tokenizer:
-        from .chat_endpoint import ChatEndpoint
+    from .chat_endpoint import ChatEndpoint
 
-        chat = ChatEndpoint.from_name(args.tokenizer, cfg)
+    chat = ChatEndpoint.from_config(cfg, args.tokenizer)
     host = args.host or cfg.rollout.local.host
     port = cfg.rollout.local.port if args.port is None else args.port
     try:

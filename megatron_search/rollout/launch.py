@@ -1,0 +1,84 @@
+"""Start (or attach to) the rollout engines a config asks for and hand back one client per engine.
+
+- `rollout.engine_urls` set: attach to running servers (disaggregated), start nothing.
+- `rollout.engine = "local"`: `rollout.num_engines` local CPU engine servers (processes).
+- `rollout.engine = "sglang"`: SGLang servers (`rollout.sglang`), optionally behind sglang-router.
+Every client is an `SGLangClient`; callers never branch on the engine kind.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .sglang import SGLangClient, ServerProcess, launch_local_server, launch_router, launch_sglang_servers
+
+
+@dataclass
+class RolloutEngines:
+    """Clients for the engines, and the server processes this call started (stopped by `close`)."""
+
+    clients: list[SGLangClient]  # one per server: weight updates, flush, pause go to all of them
+    servers: list[ServerProcess] = field(default_factory=list)
+    router: Optional[SGLangClient] = None  # sglang-router in front of the servers, when configured
+
+    def for_generation(self) -> list[SGLangClient]:
+        """Where to send /generate: the router if there is one, else every server (spread by the caller)."""
+        return [self.router] if self.router is not None else list(self.clients)
+
+    async def aclose(self) -> None:
+        for c in self.clients + ([self.router] if self.router else []):
+            await c.close()
+        self.stop_servers()
+
+    def stop_servers(self) -> None:
+        for s in reversed(self.servers):
+            s.stop()
+        self.servers = []
+
+
+def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
+    """Engines for `cfg` (see module doc); logs and the resolved config go under `output_dir`."""
+    r = cfg.rollout
+    arch = cfg.model.architecture
+    moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
+    timeout = r.sglang.request_timeout_s
+    if r.engine_urls:
+        return RolloutEngines([SGLangClient(u, timeout, moe_shape, _tensor_format(r.engine)) for u in r.engine_urls])
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if r.engine == "local":
+        from megatron_search.config import dump_config
+
+        config_path = out / "rollout_engine_config.yaml"
+        tmp = config_path.with_suffix(".tmp")
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, config_path)
+        servers: list[ServerProcess] = []
+        try:
+            for i in range(r.num_engines):
+                servers.append(launch_local_server(str(config_path), [], out / f"local_engine_{i}.log",
+                                                   r.local.startup_timeout_s))
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+        return RolloutEngines([SGLangClient(s.url, timeout, moe_shape) for s in servers], servers)
+    servers = launch_sglang_servers(cfg, out)
+    if r.sglang.use_router and len(servers) > 1:
+        try:
+            router = launch_router([s.url for s in servers], r.sglang.host, r.sglang.router_port,
+                                   out / r.sglang.log_dir / "router.log")
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+        clients = [SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp) for s in servers]
+        return RolloutEngines(clients, servers + [router], SGLangClient(router.url, timeout, moe_shape, "sglang"))
+    return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp) for s in servers],
+                          servers)
+
+
+def _tensor_format(engine: str) -> str:
+    return "sglang" if engine == "sglang" else "safetensors_base64"
