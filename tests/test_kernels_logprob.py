@@ -221,3 +221,27 @@ def test_bad_per_token_inputs_and_backend():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             token_logprobs(logits, targets, backend="triton")
+
+
+def test_composes_with_rl_token_is_loss_like_the_unfused_path():
+    """logp from the fused kernel feeds rl.losses.token_is_loss: same loss, metrics and logits-gradient
+    as log_softmax + gather (float64 reference of the same fp32 logits)."""
+    from megatron_search.rl.losses import token_is_loss
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 6, 40, generator=g) * 2
+    targets = torch.randint(0, 40, (3, 6), generator=g)
+    logp_infer = torch.log_softmax(logits + 0.05 * torch.randn(3, 6, 40, generator=g), -1).gather(-1, targets[..., None]).squeeze(-1)
+    mask = torch.rand(3, 6, generator=g) > 0.2
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    x = logits.clone().requires_grad_()
+    fused = token_logprobs(x, targets, logp_infer=logp_infer, mask=mask)
+    loss, metrics = token_is_loss(fused.logp, logp_infer, adv, mask, is_cap=2.0)
+    loss.backward()
+    x64, lp64, _, _ = logprob_ref64(logits, targets)
+    loss64, metrics64 = token_is_loss(lp64, logp_infer.double(), adv.double(), mask, is_cap=2.0)
+    loss64.backward()
+    assert abs(loss.item() - loss64.item()) <= 1e-6
+    assert (x.grad - x64.grad).abs().max() <= 1e-6
+    assert abs(float(fused.stats["k3"]) - float(metrics64["mismatch_kl_k3"])) <= 1e-6
+    assert abs(float(fused.stats["k1"]) - float(metrics64["mismatch_kl_k1"])) <= 1e-6
