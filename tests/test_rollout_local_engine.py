@@ -208,3 +208,16 @@ def test_identical_prompts_share_one_prefill(qwen3):
     for r in results:
         ref = plain_logprobs(qwen3.runner.model, p + r.output_ids, 1.0)[len(p) - 1:]
         assert torch.allclose(torch.tensor(r.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+
+
+def test_shared_head_reused_at_block_boundary(engine):
+    head = prompts(1, 40, 41, seed=17)[0]
+    a, b = head + [1, 2, 3], head + [4, 5, 6, 7]
+    run(engine.generate(GenerateRequest(a, SamplingParams(max_new_tokens=2, seed=1))))
+    res = run(engine.generate(GenerateRequest(b, SamplingParams(max_new_tokens=4, seed=2), return_routed_experts=True)))
+    # attention-only KV can be cut to the shared head (block 32); GDN recurrent state cannot
+    assert res.cached_tokens == (32 if engine.runner.can_crop else 0)
+    ids = b + res.output_ids
+    ref = plain_logprobs(engine.runner.model, ids, 1.0)[len(b) - 1:]
+    assert torch.allclose(torch.tensor(res.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(res.routed_experts_NLK, plain_router_topk(engine.runner.model, ids, 2)[:-1])

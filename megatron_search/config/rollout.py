@@ -55,6 +55,9 @@ class LocalEngineConfig(Section):
     prefix_cache_entries: NonNegativeInt = Field(
         256, description="finished sequences whose state is kept for reuse by the next turn (0 = off)"
     )
+    prefix_cache_block: NonNegativeInt = Field(
+        32, description="attention-only models: reuse shared heads of cached sequences cut at multiples of this (0 = off)"
+    )
     host: str = "127.0.0.1"
     port: NonNegativeInt = Field(0, description="0 = pick a free port")
     weight_version: str = Field("default", description="initial weight version (SGLang's default name)")

@@ -1,7 +1,8 @@
 """The local CPU engine: SGLang's engine semantics over an HF transformers model, in process.
 
 A scheduler task steps all in-flight requests together: new requests are prefilled one by one
-(reusing a cached prefix when an earlier turn's sequence is a prefix of the input), then every
+(reusing cached state: an earlier turn's sequence that prefixes the input, or for attention-only
+models any shared head of it, cut at a block boundary), then every
 running request advances one token in a single batched forward (local_runner.py). Control
 operations (weight updates, flush, pause) take the same lock as a step, so they happen between
 steps, never inside one. Torch work runs in a worker thread so an HTTP server on the same event
@@ -53,11 +54,19 @@ class _Active:
 
 
 class PrefixStore:
-    """LRU of finished sequences' states; a new request reuses the longest stored strict prefix."""
+    """LRU of sequence states for reuse by later requests (next turns, shared prompts).
 
-    def __init__(self, max_entries: int):
+    Exact entries: a stored sequence that is a strict prefix of the input is reused whole (any
+    model). Block entries (attention-only models, whose KV can be cut): every `block`-token
+    boundary of a stored sequence is indexed, so inputs that share only a head with it (the
+    system prompt and tool list) reuse that head, cut to the boundary.
+    """
+
+    def __init__(self, max_entries: int, block: int = 0):
         self.max_entries = max_entries
+        self.block = block
         self._entries: OrderedDict[tuple, SeqState] = OrderedDict()
+        self._blocks: OrderedDict[tuple, SeqState] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,19 +79,35 @@ class PrefixStore:
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+        if self.block:
+            for b in range(self.block, len(key) + 1, self.block):
+                self._blocks[key[:b]] = state
+                self._blocks.move_to_end(key[:b])
+            while len(self._blocks) > self.max_entries * 8:  # bounded like the exact entries
+                self._blocks.popitem(last=False)
 
-    def longest_prefix(self, tokens: list[int]) -> Optional[SeqState]:
-        """The stored state of the longest sequence that is a strict prefix of `tokens`."""
+    def longest_prefix(self, tokens: list[int]) -> tuple[Optional[SeqState], int]:
+        """(state, n): reuse the first n tokens of `state` (n < len(tokens)); (None, 0) if nothing fits."""
+        best, best_n = None, 0
         for n in sorted({len(k) for k in self._entries}, reverse=True):
             if n < len(tokens):
                 key = tuple(tokens[:n])
                 if key in self._entries:
                     self._entries.move_to_end(key)
-                    return self._entries[key]
-        return None
+                    best, best_n = self._entries[key], n
+                    break
+        if self.block:
+            b = (len(tokens) - 1) // self.block * self.block
+            while b > best_n:
+                state = self._blocks.get(tuple(tokens[:b]))
+                if state is not None:
+                    return state, b
+                b -= self.block
+        return best, best_n
 
     def clear(self) -> None:
         self._entries.clear()
+        self._blocks.clear()
 
 
 def sample_tokens(
@@ -121,6 +146,7 @@ class LocalEngine(Engine):
         seed: int = 0,
         max_running_requests: int = 64,
         prefix_cache_entries: int = 256,
+        prefix_cache_block: int = 32,
         weight_version: str = "default",
         return_original_logprob: bool = False,
     ):
@@ -129,7 +155,7 @@ class LocalEngine(Engine):
         self.vocab_size = int(self.runner.config.vocab_size)
         self.seed = seed
         self.max_running = max_running_requests
-        self.prefix = PrefixStore(prefix_cache_entries)
+        self.prefix = PrefixStore(prefix_cache_entries, prefix_cache_block if self.runner.can_crop else 0)
         self.weight_version = weight_version
         self.original_logprob = return_original_logprob
         self._counter = itertools.count()
@@ -153,6 +179,7 @@ class LocalEngine(Engine):
         return cls(
             path, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,
             max_running_requests=lc.max_running_requests, prefix_cache_entries=lc.prefix_cache_entries,
+            prefix_cache_block=lc.prefix_cache_block,
             weight_version=lc.weight_version, return_original_logprob=cfg.rollout.return_original_logprob,
         )
 
@@ -210,9 +237,11 @@ class LocalEngine(Engine):
                 groups.setdefault(tuple(a.fed_target), []).append(a)
         for key, members in groups.items():
             target = list(key)
-            prefix = self.prefix.longest_prefix(target)
-            cached = len(prefix.tokens) if prefix else 0
+            prefix, cached = self.prefix.longest_prefix(target)
+            if prefix is not None and cached < len(prefix.tokens):
+                prefix = self.runner.crop(prefix, cached)
             state, logits = self.runner.prefill(target[cached:], prefix)
+            self.prefix.put(state)  # later arrivals sharing a head of this input reuse it
             for i, a in enumerate(members):
                 a.state, a.cached_tokens = state, cached if i == 0 else len(target)
             self._accept(members, logits[None].expand(len(members), -1))

@@ -94,6 +94,18 @@ class ModelRunner:
         return sorted(out, key=lambda x: x[0])
 
     @property
+    def can_crop(self) -> bool:
+        """Attention-only models can cut a state to any prefix (GDN recurrent states cannot)."""
+        return all(k == "attention" for k in self.layer_types)
+
+    def crop(self, state: SeqState, n: int) -> SeqState:
+        """The state after the first n tokens of `state` (attention-only models)."""
+        if not self.can_crop or not 0 < n <= len(state.tokens):
+            raise ValueError(f"cannot crop a state of {len(state.tokens)} tokens to {n} for layers {self.layer_types}")
+        experts = [state.routed_experts()[:n]] if state.experts else []
+        return SeqState(list(state.tokens[:n]), [(k[:, :, :n], v[:, :, :n]) for k, v in state.layers], experts)
+
+    @property
     def num_moe_layers(self) -> int:
         return len(self._routers)
 
