@@ -62,7 +62,11 @@ def fake_sglang(seen: list):
         seen.append(await request.json())
         return web.json_response({"success": False, "message": "Failed to update weights: shape mismatch"}, status=400)
 
+    async def model_info(request):
+        return web.json_response({"model_path": "/ckpt", "is_generation": True, "weight_version": "12"})
+
     app = web.Application()
+    app.router.add_get("/get_model_info", model_info)
     app.router.add_post("/generate", generate)
     app.router.add_post("/update_weights_from_disk", update)
     return app
@@ -84,6 +88,7 @@ def test_client_against_sglang_shaped_answers():
             res = await client.generate(req)
             with pytest.raises(EngineError, match="shape mismatch"):
                 await client.update_weights_from_disk("/ckpt", weight_version="13")
+            assert await client._tensor_format() == "sglang"  # not the local engine: SGLang's payload format
             return res
         finally:
             await client.close()

@@ -45,7 +45,7 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     timeout = r.sglang.request_timeout_s
     if r.engine_urls:
-        return RolloutEngines([SGLangClient(u, timeout, moe_shape, _tensor_format(r.engine)) for u in r.engine_urls])
+        return RolloutEngines([SGLangClient(u, timeout, moe_shape, tp_size=r.sglang.tp) for u in r.engine_urls])
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if r.engine == "local":
@@ -79,6 +79,3 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp) for s in servers],
                           servers)
 
-
-def _tensor_format(engine: str) -> str:
-    return "sglang" if engine == "sglang" else "safetensors_base64"

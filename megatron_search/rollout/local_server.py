@@ -26,6 +26,7 @@ from aiohttp import web
 from .engine import EngineError, encode_routed_experts
 from .local import LocalEngine
 from .local_weights import LOCAL_TENSOR_FORMAT, WeightUpdateError, deserialize_named_tensors
+from .sglang import LOCAL_ENGINE_NAME
 from .types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,7 @@ async def health_generate(request: web.Request, engine: LocalEngine) -> web.Resp
 async def get_model_info(request: web.Request, engine: LocalEngine) -> web.Response:
     info = await engine.get_model_info()
     return web.json_response({
+        "engine": LOCAL_ENGINE_NAME,
         "model_path": info.model_path, "tokenizer_path": None, "is_generation": info.is_generation,
         "weight_version": info.weight_version, "num_moe_layers": info.num_moe_layers, "moe_top_k": info.moe_top_k,
     })

@@ -2,8 +2,9 @@
 
 `SGLangClient` implements `Engine` over HTTP and talks to SGLang and to the local CPU engine
 server alike (same paths and fields; only the `/update_weights_from_tensor` payload differs:
-SGLang takes its in-process serializer's string, the local server base64 safetensors; pick with
-`tensor_format`). `ServerProcess` owns one server subprocess with its own log file;
+SGLang takes its in-process serializer's string, the local server base64 safetensors;
+`tensor_format="auto"` asks the server which it is). Routed experts need (MoE layers, top_k):
+pass `moe_shape` for SGLang servers (the local server reports it). `ServerProcess` owns one server subprocess with its own log file;
 `sglang_command` builds the launch line from the config; `launch_router` fronts several servers
 with sglang-router.
 """
@@ -26,7 +27,8 @@ from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode, decode
 from .local_weights import LOCAL_TENSOR_FORMAT, serialize_named_tensors
 from .types import FinishReason, GenerateRequest, GenerateResult
 
-TensorFormat = Literal["safetensors_base64", "sglang"]
+TensorFormat = Literal["auto", "safetensors_base64", "sglang"]
+LOCAL_ENGINE_NAME = "megatron-search-local-cpu"  # `engine` field of the local server's /get_model_info
 
 
 class SGLangClient(Engine):
@@ -37,7 +39,7 @@ class SGLangClient(Engine):
         base_url: str,
         timeout_s: float = 3600.0,
         moe_shape: Optional[tuple[int, int]] = None,
-        tensor_format: TensorFormat = LOCAL_TENSOR_FORMAT,
+        tensor_format: TensorFormat = "auto",
         tp_size: int = 1,
         max_connections: int = 0,
     ):
@@ -140,6 +142,13 @@ class SGLangClient(Engine):
         )
 
     # -- weights --------------------------------------------------------------------------------
+    async def _tensor_format(self) -> str:
+        """'auto': ask the server once; the local CPU engine names itself in /get_model_info."""
+        if self.tensor_format == "auto":
+            info = await self._call("/get_model_info", method="GET")
+            self.tensor_format = LOCAL_TENSOR_FORMAT if info.get("engine") == LOCAL_ENGINE_NAME else "sglang"
+        return self.tensor_format
+
     def _serialize(self, named_tensors) -> list[str]:
         if self.tensor_format == LOCAL_TENSOR_FORMAT:
             return [serialize_named_tensors(named_tensors)]
@@ -149,6 +158,7 @@ class SGLangClient(Engine):
         return [blob] * self.tp_size  # one payload per TP rank; each rank slices what it needs
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True, abort_all_requests=False):
+        await self._tensor_format()
         payload = {
             "serialized_named_tensors": self._serialize(named_tensors),
             "load_format": None,
