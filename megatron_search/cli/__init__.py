@@ -17,6 +17,7 @@ COMMANDS = [
     "tokenizer_cmd",
     "sft_cmd",
     "rm_cmd",
+    "eval_cmd",
 ]
 
 

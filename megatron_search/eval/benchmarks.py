@@ -1,0 +1,138 @@
+"""Evaluation sets: SimpleQA (CSV), FRAMES (TSV), FACTS-style JSONL and converted QA sets, one schema.
+
+Every loader returns `EvalExample`s (id, question, gold answers, benchmark, metadata). Layouts
+(FACTS.md): SimpleQA `metadata,problem,answer`; FRAMES `Prompt, Answer, wikipedia_link_1..,
+reasoning_types, wiki_links` (both through data/public.py's converters, so eval and the train/eval
+overlap filter read them identically); converted sets are the common QARecord JSONL (data/records.py),
+optionally filtered to one split. "Facts Open" is most likely the public split of FACTS Search
+(not confirmed, FACTS.md), so its loader accepts the usual field names of such JSONL files:
+question in `question`/`prompt`/`user_request`/`problem`, gold in `answers`/`answer`/
+`gold_answer`/`ground_truth`.
+
+`subsample(examples, limit, seed)` keeps the `limit` examples with the smallest sha256(seed:id):
+deterministic, independent of file order, and nested (a larger limit keeps every smaller one's
+examples), so partial runs at different limits share their results. The original order is kept.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megatron_search.data.jsonl import DataError, read_jsonl
+from megatron_search.data.public import convert_file
+from megatron_search.data.records import QARecord
+
+KINDS = ("simpleqa", "frames", "facts", "records")
+_FACTS_QUESTION = ("question", "prompt", "user_request", "problem")
+_FACTS_ANSWER = ("answers", "answer", "gold_answer", "ground_truth")
+
+
+@dataclass(frozen=True)
+class EvalExample:
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    benchmark: str
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "question": self.question, "answers": list(self.answers), "benchmark": self.benchmark}
+
+
+def _from_record(r: QARecord, benchmark: str, where: str) -> EvalExample:
+    if not r.answers:
+        raise DataError(f"{where}: example {r.id!r} has no gold answer")
+    return EvalExample(r.id, r.prompt, tuple(r.answers), benchmark, dict(r.metadata))
+
+
+def _unique(examples: list[EvalExample], path) -> list[EvalExample]:
+    seen: set[str] = set()
+    for e in examples:
+        if e.id in seen:
+            raise DataError(f"{path}: duplicate example id {e.id!r} (results are keyed by id)")
+        seen.add(e.id)
+    return examples
+
+
+def load_simpleqa(path: str | Path) -> list[EvalExample]:
+    return _unique([_from_record(r, "simpleqa", str(path)) for r in convert_file("simpleqa", str(path))], path)
+
+
+def load_frames(path: str | Path) -> list[EvalExample]:
+    return _unique([_from_record(r, "frames", str(path)) for r in convert_file("frames", str(path))], path)
+
+
+def _first(row: dict, names: tuple[str, ...]):
+    lower = {str(k).lower(): v for k, v in row.items()}
+    for n in names:
+        if lower.get(n) not in (None, "", []):
+            return lower[n]
+    return None
+
+
+def load_facts(path: str | Path) -> list[EvalExample]:
+    """FACTS-style JSONL (see module docstring); ids default to the line number."""
+    out = []
+    for lineno, row in enumerate(read_jsonl(path), 1):
+        q, a = _first(row, _FACTS_QUESTION), _first(row, _FACTS_ANSWER)
+        if not isinstance(q, str) or not q.strip():
+            raise DataError(f"{path}: row {lineno}: no question (one of {list(_FACTS_QUESTION)})")
+        answers = [a] if isinstance(a, str) else a
+        if not isinstance(answers, list) or not answers or not all(isinstance(x, str) and x.strip() for x in answers):
+            raise DataError(f"{path}: row {lineno}: gold answer must be a non-empty string or list of strings "
+                            f"(one of {list(_FACTS_ANSWER)})")
+        rid = str(row.get("id", f"facts-{lineno}"))
+        meta = {k: v for k, v in row.items() if k.lower() not in _FACTS_QUESTION + _FACTS_ANSWER + ("id",)}
+        out.append(EvalExample(rid, q.strip(), tuple(x.strip() for x in answers), "facts", meta))
+    return _unique(out, path)
+
+
+def load_records(path: str | Path, split: Optional[str] = None, benchmark: Optional[str] = None) -> list[EvalExample]:
+    """A converted QA set (QARecord JSONL, e.g. the embedded demo's qa.jsonl); `split` keeps one split."""
+    out = []
+    for lineno, row in enumerate(read_jsonl(path), 1):
+        rec = QARecord.from_dict(row, f"{path}:{lineno}")
+        if split is None or rec.split == split:
+            out.append(_from_record(rec, benchmark or rec.source, f"{path}:{lineno}"))
+    if not out:
+        raise DataError(f"{path}: no examples" + (f" in split {split!r}" if split else ""))
+    return _unique(out, path)
+
+
+def subsample(examples: list[EvalExample], limit: int, seed: int = 0) -> list[EvalExample]:
+    """The deterministic sub-sample described in the module docstring (limit 0 = all)."""
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if not limit or limit >= len(examples):
+        return list(examples)
+    rank = {e.id: hashlib.sha256(f"{seed}:{e.id}".encode()).hexdigest() for e in examples}
+    keep = set(sorted(rank, key=rank.get)[:limit])
+    return [e for e in examples if e.id in keep]
+
+
+def load_benchmark(kind: str, path: str | Path, limit: int = 0, seed: int = 0, split: Optional[str] = None,
+                   name: Optional[str] = None) -> list[EvalExample]:
+    """One of KINDS from `path`, sub-sampled to `limit`. `name` relabels the benchmark (default: the kind)."""
+    if kind not in KINDS:
+        raise DataError(f"unknown benchmark kind {kind!r}; known: {list(KINDS)}")
+    if not Path(path).is_file():
+        raise DataError(f"benchmark {kind}: no file {path}")
+    if kind == "records":
+        examples = load_records(path, split, name)
+    else:
+        if split is not None:
+            raise DataError(f"benchmark {kind}: a split applies only to converted record sets")
+        examples = {"simpleqa": load_simpleqa, "frames": load_frames, "facts": load_facts}[kind](path)
+    if name is not None:
+        examples = [EvalExample(e.id, e.question, e.answers, name, e.metadata) for e in examples]
+    return subsample(examples, limit, seed)
+
+
+def write_examples(path: str | Path, examples: list[EvalExample]) -> None:
+    """Examples as JSONL (the set a run evaluated, kept beside its results)."""
+    from megatron_search.data.jsonl import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(e.to_dict(), ensure_ascii=False) + "\n" for e in examples))

@@ -1,0 +1,232 @@
+"""`evaluate(...)`: one eval run over several models/checkpoints and benchmarks, resumable.
+
+    from megatron_search.eval import evaluate, BenchmarkSpec
+    report = evaluate(cfg, {"sft": "runs/demo/hf", "ref": "http://127.0.0.1:30000"},
+                      [BenchmarkSpec("records", "runs/demo/qa.jsonl", split="test", name="demo")],
+                      out_dir="runs/eval", index_dir="runs/index")
+
+Models: an `Engine` object, an engine URL (SGLang or the local engine server: same API), or an
+HF checkpoint directory (in-process LocalEngine). Search: `index_dir` (local bm25s index) or
+`backend`, else cfg.search. Every result is appended to <out_dir>/results.jsonl as it finishes;
+calling again with the same out_dir asks only what is missing, then rewrites the report, the
+plots and the TensorBoard scalars from all results on file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from megatron_search.rollout.agent import AgentSettings, SearchAgent
+from megatron_search.rollout.engine import Engine
+from megatron_search.search.base import SearchBackend
+from megatron_search.search.tool import SearchTool
+
+from .benchmarks import EvalExample, load_benchmark, write_examples
+from .cost import load_prices
+from .graders import build_grader
+from .metrics import (LanguageID, abstention, broken_tool_calls, budget_curve, language_mismatch, sbs_metric,
+                      sbs_rows, tool_choice_none_rate, withhold_evidence)
+from .report import add_costs, build_report, write_outputs
+from .results import ResultStore
+from .sweep import EvalJob, budget_jobs, run_jobs
+
+log = logging.getLogger(__name__)
+ModelSpec = Union[Engine, str]
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    kind: str  # benchmarks.KINDS
+    path: str
+    split: Optional[str] = None
+    name: Optional[str] = None
+
+
+def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
+    """(engine, whether we created it and must close it)."""
+    if isinstance(spec, Engine):
+        return spec, False
+    if spec.startswith(("http://", "https://")):
+        from megatron_search.rollout.sglang import SGLangClient
+
+        return SGLangClient(spec, timeout_s=cfg.rollout.sglang.request_timeout_s), True
+    if not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"model {spec!r}: neither an engine URL (http://...) nor an HF checkpoint directory "
+                         "(no config.json)")
+    from megatron_search.rollout.local import LocalEngine
+
+    lc = cfg.rollout.local
+    return LocalEngine(spec, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,
+                       max_running_requests=lc.max_running_requests,
+                       prefix_cache_entries=lc.prefix_cache_entries), True
+
+
+def _backend(cfg, index_dir: Optional[str], backend: Optional[SearchBackend]) -> SearchBackend:
+    if backend is not None:
+        return backend
+    if index_dir is not None:
+        from megatron_search.search.local import LocalSearchBackend
+
+        return LocalSearchBackend.load(index_dir, cfg.search.snippet_chars)
+    from megatron_search.search import build_backend
+
+    return build_backend(cfg.search)
+
+
+def _corpus_docs(cfg, index_dir: Optional[str], corpus: Optional[str]) -> list[dict]:
+    """The documents the abstention set withholds from (a local index's docs.jsonl, or a corpus JSONL)."""
+    from megatron_search.search.local import read_corpus
+
+    if corpus is not None:
+        return list(read_corpus(corpus))
+    idx = index_dir or cfg.search.index_dir
+    if idx is not None and (Path(idx) / "docs.jsonl").is_file():
+        with open(Path(idx) / "docs.jsonl", encoding="utf-8") as f:
+            return [json.loads(l) for l in f if l.strip()]
+    if cfg.search.corpus is not None:
+        return list(read_corpus(cfg.search.corpus))
+    raise ValueError("abstention: needs the corpus (a local index dir with docs.jsonl, or a corpus JSONL) to "
+                     "withhold evidence from")
+
+
+def load_sets(specs: Sequence[BenchmarkSpec], limit: int, seed: int) -> list[EvalExample]:
+    examples: list[EvalExample] = []
+    for s in specs:
+        examples += load_benchmark(s.kind, s.path, limit, seed, s.split, s.name)
+    names = [e.benchmark for e in examples]
+    if len({(e.benchmark, e.id) for e in examples}) != len(examples):
+        raise ValueError(f"benchmarks: two sets share a name and example ids ({sorted(set(names))}); "
+                         "give them distinct names")
+    return examples
+
+
+def evaluate(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSpec], out_dir: str | Path, *,
+             index_dir: Optional[str] = None, backend: Optional[SearchBackend] = None, corpus: Optional[str] = None,
+             budgets: Optional[Sequence[int]] = None, limit: Optional[int] = None,
+             variants: Sequence[str] = ("budget",), encoder=None, grader=None,
+             system_prompt: Optional[str] = None, prices: Optional[dict[str, str]] = None,
+             sbs_baseline: Optional[str] = None, sbs_scorer=None, sbs_budget: Optional[int] = None,
+             language: bool = True, tensorboard: bool = True, progress: bool = True) -> dict:
+    """Run (or resume) the eval and write the report; returns the report dict (see module docstring).
+
+    variants: any of "budget" (the b sweep), "abstention", "tool_choice_none". prices: model name ->
+    row of the price table (eval.prices). sbs: with `sbs_scorer` (an rm RMScorer) and `sbs_baseline`
+    (one of `models`), each other model's answers at b = `sbs_budget` (default: the largest b) are
+    compared with the baseline's; without a scorer the pairs are written to sbs_<model>.jsonl for
+    `megatron-search rm eval --sbs`.
+    """
+    from megatron_search.data.sft import SYSTEM_PROMPT
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
+
+    ec = cfg.eval
+    bad = sorted(set(variants) - {"budget", "abstention", "tool_choice_none"})
+    if bad:
+        raise ValueError(f"evaluate: unknown variant(s) {bad}")
+    if not models:
+        raise ValueError("evaluate: no models given")
+    budgets = list(ec.budgets if budgets is None else budgets)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    examples = load_sets(benchmarks, ec.limit if limit is None else limit, ec.seed)
+    write_examples(out / "examples.jsonl", examples)
+    system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
+    encoder = encoder or ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(cfg.model.chat_style))
+    grader = grader or build_grader(ec)
+    store = ResultStore(out / "results.jsonl")
+    base_backend = _backend(cfg, index_dir, backend)
+    tool = SearchTool(base_backend, ec.max_results, cfg.search.max_query_chars, ec.max_calls)
+    withheld_tool = None
+    if "abstention" in variants:
+        from megatron_search.search.local import LocalSearchBackend
+
+        kept, removed = withhold_evidence(_corpus_docs(cfg, index_dir, corpus), examples)
+        log.info("abstention: withheld %d evidence documents, %d left", len(removed), len(kept))
+        withheld_tool = SearchTool(LocalSearchBackend.from_docs(kept, cfg.search.snippet_chars), ec.max_results,
+                                   cfg.search.max_query_chars, ec.max_calls)
+    settings = AgentSettings.for_eval(cfg)
+    jobs_main = budget_jobs(examples, budgets) if "budget" in variants else []
+    jobs_none = [EvalJob(e, "tool_choice_none", None, "none") for e in examples] if "tool_choice_none" in variants else []
+    jobs_abst = [EvalJob(e, "abstention", None) for e in examples] if "abstention" in variants else []
+    status = {}
+
+    async def run_model(name: str, spec: ModelSpec) -> dict:
+        engine, owned = open_engine(spec, cfg)
+        try:
+            st = await run_jobs(name, SearchAgent(engine, encoder, tool, settings), grader, jobs_main + jobs_none,
+                                store, system_prompt, ec.seed, progress)
+            if jobs_abst:
+                sa = await run_jobs(name, SearchAgent(engine, encoder, withheld_tool, settings), grader, jobs_abst,
+                                    store, system_prompt, ec.seed, progress)
+                st = {k: st[k] + sa[k] for k in st}
+            return st
+        finally:
+            if owned:
+                await engine.close()
+
+    async def run_all() -> None:
+        try:
+            for name, spec in models.items():
+                status[name] = await run_model(name, spec)
+        finally:
+            client = getattr(grader, "client", None)
+            if client is not None:
+                await client.close()
+
+    asyncio.run(run_all())
+    return make_report(cfg, store, out, list(models), variants, prices or {}, sbs_baseline, sbs_scorer,
+                       sbs_budget if sbs_budget is not None else (max(budgets) if budgets else None),
+                       language, tensorboard, status)
+
+
+def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants: Sequence[str],
+                prices: dict[str, str], sbs_baseline: Optional[str], sbs_scorer, sbs_budget: Optional[int],
+                language: bool, tensorboard: bool, status: Optional[dict] = None) -> dict:
+    """Aggregate every result of `models` on file into the report and write the outputs."""
+    ec = cfg.eval
+    rows = [r for r in store.rows() if r["model"] in models]
+    curve = budget_curve(rows)
+    table = load_prices(ec.prices)
+    unknown = sorted(set(prices.values()) - set(table))
+    if unknown:
+        raise ValueError(f"prices: no row {unknown} in the price table (have {sorted(table)})")
+    model_prices = {m: table[p] for m, p in prices.items()}
+    add_costs(curve, model_prices)
+    lid = LanguageID(ec.languages, ec.min_language_chars, ec.language_min_confidence) if language else None
+    deployment: dict = {}
+    for m in models:
+        d: dict = {}
+        main = [r for r in rows if r["model"] == m and r["variant"] == "budget"]
+        if main:
+            d["broken_tool_calls"] = broken_tool_calls(main)
+            if lid is not None:
+                d["language_mismatch"] = language_mismatch(main, lid)
+        none_rows = [r for r in rows if r["model"] == m and r["variant"] == "tool_choice_none"]
+        if none_rows:
+            d["tool_choice_none"] = tool_choice_none_rate(none_rows)
+            d.setdefault("broken_tool_calls_tool_choice_none", broken_tool_calls(none_rows))
+        abst = [r for r in rows if r["model"] == m and r["variant"] == "abstention"]
+        if abst:
+            d["abstention"] = abstention(abst)
+        if sbs_baseline is not None and m != sbs_baseline:
+            pairs = sbs_rows(rows, m, sbs_baseline, "budget", sbs_budget)
+            if pairs:
+                if sbs_scorer is not None:
+                    d["sbs"] = {**sbs_metric(sbs_scorer, pairs), "baseline": sbs_baseline, "budget": sbs_budget}
+                else:
+                    from megatron_search.data.jsonl import write_jsonl
+
+                    path = out / f"sbs_{m}_vs_{sbs_baseline}.jsonl"
+                    write_jsonl(path, pairs)
+                    d["sbs_pairs"] = str(path)
+        deployment[m] = d
+    report = build_report(out.name, curve, deployment, model_prices, {
+        "models": models, "variants": list(variants), "results": len(rows),
+        "eval_config": ec.model_dump(), "status": status or {},
+    })
+    report["outputs"] = write_outputs(report, out, tensorboard)
+    return report

@@ -1,0 +1,143 @@
+"""The budget protocol end to end with a scripted policy: curve values by hand, enforcement, variants,
+resume after an interruption (finished examples are never asked again), report outputs."""
+import json
+import re
+
+import pytest
+
+from megatron_search.config import load_config
+from megatron_search.eval import BenchmarkSpec, evaluate
+from megatron_search.eval.results import ResultStore
+from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.scripted import ScriptedEngine
+from megatron_search.rollout.tokenizer import ChatEncoder, QwenTokenizer
+from megatron_search.search.local import LocalSearchBackend
+
+QA = [  # id, question, answer, has a supporting document
+    ("e1", "Which person founded Talbeck Works?", "Ivo Brand", True),
+    ("e2", "Which river flows through Quarnby?", "Ellow", True),
+    ("e3", "Which company published Dunmere Evening?", "Velde Press", True),
+    ("e4", "Which painter restored the Marrow Chapel?", "Sela Dunn", False),
+]
+DOCS = [{"id": f"d-{i}", "title": a, "url": f"https://w.example/{i}", "text": f"{q[6:-1]}: {a}."}
+        for i, q, a, has in QA if has]
+DOCS.append({"id": "d-x", "title": "Lighthouse", "url": "https://w.example/x", "text": "A tall lighthouse by the sea."})
+ABSTAIN = "I could not find reliable evidence."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return QwenTokenizer()
+
+
+class Policy:
+    """Scripted search policy. Turn 1: with a budget > 0 (or tools disabled: it disobeys) two identical
+    search calls, else an abstention. Turn 2: the title of the first result, or an abstention."""
+
+    def __init__(self, tok, fail_after=None):
+        self.tok, self.fail_after, self.episodes = tok, fail_after, 0
+
+    def __call__(self, ids):
+        text = self.tok.decode(ids)
+        turn = text.count("<|im_start|>assistant")
+        if turn == 1:
+            self.episodes += 1
+            if self.fail_after is not None and self.episodes > self.fail_after:
+                raise KeyboardInterrupt("simulated interruption")
+            question = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, re.S)[-1]
+            if "budget of 0 tool calls" in text:
+                out = ABSTAIN
+            else:
+                call = '<tool_call>\n{"name": "search_web", "arguments": {"query": "%s"}}\n</tool_call>' % question
+                out = call + "\n" + call
+        else:
+            m = re.search(r"<tool_response>\n\[1\] (.*?)\n", text)
+            out = m.group(1) if m else ABSTAIN
+        return self.tok.encode(out + "<|im_end|>")
+
+
+def write_set(tmp_path):
+    p = tmp_path / "qa.jsonl"
+    p.write_text("".join(json.dumps({"id": i, "question": q, "answers": [a], "source": "demo", "split": "test"}) + "\n"
+                         for i, q, a, _ in QA))
+    return p
+
+
+def cfg_for(concurrency=4):
+    return load_config(None, ["eval.max_new_tokens=256", f"rollout.concurrency={concurrency}", "eval.limit=0"])
+
+
+def run(tmp_path, tok, engine, out, variants=("budget",), budgets=(0, 1, 2), concurrency=4, **kw):
+    enc = ChatEncoder(tok, ChatFormat("qwen3"))
+    return evaluate(cfg_for(concurrency), {"policy": engine}, [BenchmarkSpec("records", str(write_set(tmp_path)), "test")],
+                    out, backend=LocalSearchBackend.from_docs(DOCS), encoder=enc, budgets=list(budgets),
+                    variants=variants, language=False, progress=False, **kw)
+
+
+def test_budget_curve_by_hand(tmp_path, tok):
+    policy = Policy(tok)
+    out = tmp_path / "run"
+    docs_path = tmp_path / "corpus.jsonl"
+    docs_path.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    rep = run(tmp_path, tok, ScriptedEngine(policy), out, variants=("budget", "abstention", "tool_choice_none"),
+              corpus=str(docs_path), prices={"policy": "gpt-5"})
+    curve = rep["budget_curve"]["policy"]["demo"]
+    assert sorted(curve) == [0, 1, 2]
+    # b = 0: the budget sentence reaches the policy, which abstains: nothing attempted, no calls
+    assert curve[0]["accuracy"] == 0.0 and curve[0]["not_attempted"] == 1.0 and curve[0]["mean_tool_calls"] == 0.0
+    # b >= 1: three of four questions have a document whose title is the answer
+    for b in (1, 2):
+        assert curve[b]["accuracy"] == 0.75 and curve[b]["mean_tool_calls"] == 2.0
+    rows = list(ResultStore(out / "results.jsonl").rows(variant="budget"))
+    # the limit is enforced in the loop: at b = 1 the second call of each episode is over budget
+    assert {r["broken"]["over_budget"] for r in rows if r["budget"] == 1} == {1}
+    assert {r["broken"]["over_budget"] for r in rows if r["budget"] == 2} == {0}
+    # e4 has no document: its search finds nothing and the policy declines
+    assert {(r["grade"], r["prediction"]) for r in rows if r["budget"] > 0 and r["id"] == "e4"} == {("NOT_ATTEMPTED", ABSTAIN)}
+    # tokens, recomputed independently: b = 0 is one turn from the rendered prompt
+    enc = ChatEncoder(tok, ChatFormat("qwen3"))
+    from megatron_search.data.sft import SYSTEM_PROMPT
+    from megatron_search.search.tool import SearchTool
+    spec = SearchTool(LocalSearchBackend.from_docs(DOCS)).spec
+    q1 = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QA[0][1]}]
+    r0 = next(r for r in rows if r["budget"] == 0 and r["id"] == "e1")
+    assert r0["tokens_in"] == len(enc.prompt_ids(q1, [spec], budget=0))
+    assert r0["tokens_out"] == len(tok.encode(ABSTAIN + "<|im_end|>"))
+    assert curve[0]["cents_per_query"] == pytest.approx(
+        (curve[0]["mean_tokens_in"] * 1.25 + curve[0]["mean_tokens_out"] * 10.0) / 1e6 * 100)
+    dep = rep["deployment"]["policy"]
+    # broken calls over the sweep: 4 over-budget calls out of 4 * (0 + 2 + 2) calls
+    assert dep["broken_tool_calls"]["count"]["over_budget"] == 4 and dep["broken_tool_calls"]["calls"] == 16
+    assert dep["broken_tool_calls"]["rate_per_call"]["over_budget"] == 0.25
+    # tool_choice=none: the policy calls anyway; every call is broken as tool_choice_none
+    assert dep["tool_choice_none"]["episodes_calling"] == 1.0
+    assert dep["broken_tool_calls_tool_choice_none"]["rate_per_call"]["tool_choice_none"] == 1.0
+    # evidence withheld: only the distractor is left, searches find nothing, every answer declines
+    assert dep["abstention"]["abstention_rate"] == 1.0
+    for name in ("report.json", "report.md", "accuracy_vs_budget.png", "accuracy_vs_cost.png"):
+        assert (out / name).is_file(), name
+    assert list((out / "tb" / "policy").glob("events.out.tfevents.*"))
+    md = (out / "report.md").read_text()
+    assert "| policy | 0.0 / " in md and "| 75.0 / " in md
+
+
+def test_interrupted_run_resumes_without_reasking(tmp_path, tok):
+    full = run(tmp_path, tok, ScriptedEngine(Policy(tok)), tmp_path / "straight", concurrency=1)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, tok, ScriptedEngine(Policy(tok, fail_after=5)), out, concurrency=1)
+    done = len(ResultStore(out / "results.jsonl"))
+    assert done == 5
+    # a crash mid-append leaves a torn last line: it is dropped and that example runs again
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"model": "policy", "benchm')
+    second = Policy(tok)
+    rep = run(tmp_path, tok, ScriptedEngine(second), out, concurrency=1)
+    assert second.episodes == 12 - 5
+    assert rep["status"]["policy"] == {"done": 7, "skipped": 5, "errors": []}
+    assert rep["budget_curve"] == full["budget_curve"]
+    third = Policy(tok)
+    run(tmp_path, tok, ScriptedEngine(third), out, concurrency=1)
+    assert third.episodes == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 12 and all(json.loads(l) for l in lines)
