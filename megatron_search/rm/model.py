@@ -67,8 +67,10 @@ class RewardModel(MegatronModule):
         # attributes Megatron's schedules look up on the (wrapped) model
         self.model_type = backbone.model_type
         self.vp_stage = getattr(backbone, "vp_stage", None)
-        # The value head is not tied to the embedding: no embedding-grad sync across PP stages.
+        # The value head is not tied to the embedding: no embedding-grad sync across PP stages
+        # (finalize_model_grads reads the flag on the unwrapped model, i.e. on this module).
         backbone.share_embeddings_and_output_weights = False
+        self.share_embeddings_and_output_weights = False
         self.value_head = None
         if backbone.post_process:
             tp_group = getattr(getattr(backbone, "pg_collection", None), "tp", None)
