@@ -125,9 +125,11 @@ class HFExporter:
             size = e.hf_bytes(self.out_dtype)
             if size > self.bucket_bytes:
                 biggest = max(e.hf, key=lambda h: _numel(h[1]))
+                together = f" (it travels with {len(e.hf) - 1} sibling tensor(s): {size} bytes)" if len(e.hf) > 1 else \
+                    f" ({size} bytes)"
                 raise BucketTooSmallError(
-                    f"bucket of {self.bucket_bytes} bytes is smaller than {biggest[0]} {list(biggest[1])} "
-                    f"(with its siblings {size} bytes); raise rollout.weight_bucket_mb"
+                    f"bucket of {self.bucket_bytes} bytes is smaller than {biggest[0]} {list(biggest[1])}{together}; "
+                    f"raise rollout.weight_bucket_mb"
                 )
             if used + size > self.bucket_bytes and buckets[-1]:
                 buckets.append([])

@@ -35,23 +35,43 @@ def load_hf_into_model(model_chunks, arch: Architecture, source: HFTensorSource,
     mapping = Mapping(arch, padded_vocab_size(params, arch.vocab_size))
     used: set[str] = set()
     rank0 = not dist.is_initialized() or dist.get_rank(world_group) == 0
-    for p in tqdm(params, desc="load HF -> Megatron", disable=not (progress and rank0)):
-        m = p.match
-        tensors = [source.get(n) for n in m.hf_names]
-        want = mapping.expected_hf_shapes(m, p.full_shape)
-        for name, t, shape in zip(m.hf_names, tensors, want):
-            if tuple(t.shape) != shape:
-                raise CheckpointMismatchError(
-                    f"{source.where}: tensor {name!r} has shape {list(t.shape)}, the model needs {list(shape)} "
-                    f"(for Megatron {p.global_name}); does the checkpoint match the config?"
-                )
-        full = mapping.to_mcore(m, tensors, p.zero_centered, p.full_shape)
-        shard = m.rule.tp.shard(full, p.tp_rank, p.tp_size, mapping.ctx)
-        p.tensor.data.copy_(shard.to(p.tensor.dtype))
-        used.update(m.hf_names)
+    error: Optional[str] = None
+    try:
+        for p in tqdm(params, desc="load HF -> Megatron", disable=not (progress and rank0)):
+            _load_one(p, source, mapping)
+            used.update(p.match.hf_names)
+    except (MappingError, KeyError) as e:
+        error = str(e)
+    _raise_if_any_failed(error, world_group)  # every rank raises, so no rank waits in a collective
     if strict:
         check_all_used(source, used, mapping, world_group)
     return used
+
+
+def _load_one(p, source: HFTensorSource, mapping: Mapping) -> None:
+    m = p.match
+    tensors = [source.get(n) for n in m.hf_names]
+    want = mapping.expected_hf_shapes(m, p.full_shape)
+    for name, t, shape in zip(m.hf_names, tensors, want):
+        if tuple(t.shape) != shape:
+            raise CheckpointMismatchError(
+                f"{source.where}: tensor {name!r} has shape {list(t.shape)}, the model needs {list(shape)} "
+                f"(for Megatron {p.global_name}); does the checkpoint match the config?"
+            )
+    full = mapping.to_mcore(m, tensors, p.zero_centered, p.full_shape)
+    shard = m.rule.tp.shard(full, p.tp_rank, p.tp_size, mapping.ctx)
+    p.tensor.data.copy_(shard.to(p.tensor.dtype))
+
+
+def _raise_if_any_failed(error: Optional[str], world_group) -> None:
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(world_group)
+        dist.all_gather_object(errors, error, group=world_group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise CheckpointMismatchError(msg if len(errors) == 1 else f"rank {rank}: {msg}")
 
 
 def check_all_used(source: HFTensorSource, used: set[str], mapping: Mapping, world_group=None) -> None:
