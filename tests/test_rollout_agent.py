@@ -161,6 +161,11 @@ def test_stop_reasons(tok):
     r = asyncio.run(agent.run(AgentTask(QUESTION)))
     assert r.stop_reason == "max_total_tokens" and len(r.token_ids) <= 260
     assert r.segments[-1].source == "model" and r.routed_experts_NLK.shape[0] == len(r.token_ids) - 1
+    # ids beyond the tokenizer (a padded model vocab): the episode ends, the tokens stay recorded
+    agent, engine, _ = make_agent(tok, "qwen3", ["x"])
+    engine.responder = lambda ids: [151_900, 151_901]
+    r = asyncio.run(agent.run(AgentTask(QUESTION)))
+    assert r.stop_reason == "undecodable" and r.token_ids[-2:] == [151_900, 151_901] and r.loss_mask[-1] == 1
 
 
 class SlowScripted(ScriptedEngine):

@@ -12,7 +12,7 @@ Routed experts (routing replay): each turn asks only for the rows not yet held
 
 Stop reasons: answer (a turn without tool calls), length (a turn hit max_new_tokens),
 unclosed_reasoning (stopped inside <think>), max_total_tokens, max_turns, abort (the engine
-aborted the request, e.g. for a weight update).
+aborted the request, e.g. for a weight update), undecodable (sampled ids outside the tokenizer).
 """
 from __future__ import annotations
 
@@ -130,7 +130,11 @@ class SearchAgent:
             if res.routed_experts_NLK is not None:
                 expert_chunks.append(res.routed_experts_NLK)
                 expert_rows += res.routed_experts_NLK.shape[0]
-            parsed = self.encoder.parse_turn(out, self.tools)
+            try:
+                parsed = self.encoder.parse_turn(out, self.tools)
+            except ValueError:  # ids the tokenizer cannot decode (a model vocab padded past the tokenizer's)
+                stop_reason = "undecodable"
+                break
             messages.append({"role": "assistant", "content": parsed.text})
             if res.finish_reason.type == "abort":
                 stop_reason = "abort"
