@@ -9,6 +9,8 @@ import torch
 
 from _sft_helpers import TOOLS, conversation, sft_config, write_dataset
 
+from megatron_search.config import dump_config
+
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
@@ -56,6 +58,25 @@ def test_assistant_only_mask_on_a_rendered_example(tok_dir):
     assert tok.decode(ex.ids) == ChatFormat("qwen3").render(conversation(0)["messages"], TOOLS)
 
 
+def test_qwen3_5_think_mode_mask_starts_after_the_generation_prefix():
+    """Qwen3.5 opens `<think>` in the generation prefix, so the model's tokens (the loss) start after it."""
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.train.sft_data import segment_conversation
+
+    msgs = [{"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Searching.", "tool_calls": [{"name": "search_web", "arguments": {"query": "x"}}]},
+            {"role": "tool", "content": "r"},
+            {"role": "assistant", "content": "Done.", "reasoning_content": "ok"}]
+    assert segment_conversation(ChatFormat("qwen3_5"), msgs, None, "t") == [
+        ("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+        ("\n</think>\n\nSearching.\n\n<tool_call>\n<function=search_web>\n<parameter=query>\nx\n</parameter>\n"
+         "</function>\n</tool_call><|im_end|>", 1),
+        ("\n<|im_start|>user\n<tool_response>\nr\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+        ("ok\n</think>\n\nDone.<|im_end|>", 1),
+        ("\n", 0),
+    ]
+
+
 def test_packed_batch_labels_and_mask_align(tmp_path, tok_dir):
     from megatron_search.rollout.chat_format import ChatFormat
     from megatron_search.rollout.tokenizer import BPETokenizer
@@ -91,13 +112,21 @@ def test_packed_batch_labels_and_mask_align(tmp_path, tok_dir):
     assert torch.equal(nxt.tokens, again.tokens) and torch.equal(nxt.loss_mask, again.loss_mask)
 
 
-def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir):
-    from megatron_search.train.sft import run_sft
+def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir, monkeypatch, capsys):
+    """Through the `megatron-search sft` command (in this process)."""
+    from megatron_search.cli import main
+    from megatron_search.train import sft
 
     (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     data = write_dataset(tmp_path / "one.jsonl", [3])  # one example: every batch is the same
     cfg = sft_config(tmp_path, {data: 1.0}, ["sft.steps=3", "sft.packing=false"])
-    summary = run_sft(cfg)
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    summaries = []
+    real_run = sft.run_sft
+    monkeypatch.setattr(sft, "run_sft", lambda c: summaries.append(real_run(c)) or summaries[-1])
+    assert main(["sft", str(tmp_path / "cfg.yaml")]) == 0
+    assert "sft done: step 3" in capsys.readouterr().out
+    summary = summaries[0]
     losses = summary["losses"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     # Untrained: about ln(2048) per token; a repeated batch must then be fitted better and better.

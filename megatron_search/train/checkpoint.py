@@ -42,10 +42,16 @@ _DIST_CKPT_MODULES = (
 )
 
 
-# Optimizer state in a layout-independent form: the distributed optimizer (GPU) saves per-parameter
+# Optimizer state in a layout-independent form: the distributed optimizer saves per-parameter
 # tensors instead of its DP-specific flat buffers, so any TP/PP/EP/DP layout can load it; chained
 # optimizers (dense + expert groups) keep their keys unprefixed, as Megatron's own newer checkpoints.
+# On CPU the gather behind that format must run over the gloo DP group (the default path moves
+# tensors with .cuda()), which Megatron calls the memory-efficient variant.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def _optim_metadata() -> dict:
+    return {**OPTIM_METADATA, "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
 
 
 class CheckpointError(RuntimeError):
@@ -90,16 +96,76 @@ def reseed_rng(seed: int, iteration: int, rank: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- sharded state
+def _prime_fresh_distributed_optimizer(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer placeholder Adam state before a load.
+
+    Without Transformer Engine / Apex its state_dict() reads every parameter's torch-Adam "step",
+    which does not exist before the first step; the load then overwrites these placeholders.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                          step=torch.zeros((), dtype=torch.float32))
+
+
+def _load_keeping_torch_adam_step(optimizer) -> None:
+    """Let DistributedOptimizer.load_state_dict run with torch's Adam (no TE / Apex).
+
+    Its parameter-state loaders copy every key of the inner Adam state from the checkpoint but
+    deliberately leave out "step" (restored from the param groups just before), then fail on that
+    missing key. Per instance, "step" is set aside while each parameter's tensors are copied.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(opt):
+            continue
+        original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                original(opt, model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+
+
+def _unshare_torch_adam_steps(optimizer) -> None:
+    """DistributedOptimizer.load_state_dict hands every parameter the SAME "step" tensor; torch's Adam
+    increments each parameter's step in place, so a shared tensor would advance once per parameter
+    and corrupt the bias correction. Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for st in inner.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+
 def _sharded_state(trainer, is_loading: bool) -> dict:
     """{"model<i>": chunk sharded state, "optimizer": optimizer sharded state} (Megatron's layout)."""
     model_sd = {}
     for i, chunk in enumerate(trainer.model):
         model_sd[f"model{i}"] = chunk.sharded_state_dict()
+    if is_loading:
+        _prime_fresh_distributed_optimizer(trainer.optimizer)
     merged = {}
     for sd in model_sd.values():
         merged.update(sd)
     out = dict(model_sd)
-    out["optimizer"] = trainer.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=OPTIM_METADATA)
+    out["optimizer"] = trainer.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_optim_metadata())
     return out
 
 
@@ -242,7 +308,9 @@ def load_run(trainer, path: Path) -> dict:
     state = _dist_ckpt().load(_sharded_state(trainer, is_loading=True), str(Path(path) / MODEL_OPTIM))
     for i, chunk in enumerate(trainer.model):
         chunk.load_state_dict(state[f"model{i}"])
+    _load_keeping_torch_adam_step(trainer.optimizer)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    _unshare_torch_adam_steps(trainer.optimizer)
     trainer.iteration = int(meta["iteration"])
     trainer.consumed_tokens = int(meta["consumed_tokens"])
     rng_file = Path(path) / RNG_DIR / f"rank_{trainer.ctx.rank:05d}.pt"
