@@ -12,5 +12,7 @@
 # Usage: sbatch slurm/grpo_30b.sh [key.sub=value ...]     (bash slurm/grpo_30b.sh --dry-run prints the plan)
 MS_STAGE=grpo
 MS_CONFIG=${MS_CONFIG:-configs/qwen3_30b_a3b_grpo.yaml}
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+MS_LIB=$(dirname "${BASH_SOURCE[0]}")/lib.sh  # sbatch runs a spooled copy of this script: then the submit dir's
+[ -f "$MS_LIB" ] || MS_LIB=${MS_REPO:-${SLURM_SUBMIT_DIR:-.}}/slurm/lib.sh
+source "$MS_LIB"
 ms_main "$@"

@@ -62,6 +62,22 @@ ms_on_preempt() {
   exit 0
 }
 
+# A requeued job (Slurm sets SLURM_RESTART_COUNT > 0) continues from its latest checkpoint when
+# one exists (the preemption path saved it); a first run, or one with nothing saved yet, starts fresh.
+ms_resume_override() {
+  [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] || return 0
+  "$MS_PYTHON" - "$MS_CONFIG" "${MS_OVERRIDES[@]}" <<'PY'
+import sys
+from pathlib import Path
+from megatron_search.config import load_config
+from megatron_search.train.checkpoint_dir import latest_checkpoint
+cfg = load_config(sys.argv[1], sys.argv[2:])
+root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.output_dir) / "checkpoints"
+if not cfg.checkpoint.resume and latest_checkpoint(root) is not None:
+    print("checkpoint.resume=true")
+PY
+}
+
 ms_start_servers() {
   local i
   mkdir -p "$MS_LOG_DIR/sglang"
@@ -101,6 +117,8 @@ ms_main() {
     ms_launch_plan text
     return 0
   fi
+  local resume; resume=$(ms_resume_override)
+  if [ -n "$resume" ]; then MS_OVERRIDES+=("$resume"); ms_log "restart ${SLURM_RESTART_COUNT}: resuming from the latest checkpoint"; fi
   eval "$(ms_launch_plan shell)"
   MS_LOG_DIR=${MS_LOG_DIR:-$MS_REPO/runs/slurm-${SLURM_JOB_ID:-local}}
   mkdir -p "$MS_LOG_DIR"
@@ -116,7 +134,9 @@ ms_main() {
   local train_nodes; train_nodes=$(IFS=,; echo "${MS_TRAIN_NODES[*]}")
   # shellcheck disable=SC2086
   srun --nodes="${#MS_TRAIN_NODES[@]}" --nodelist="$train_nodes" --ntasks-per-node="$MS_TASKS_PER_NODE" \
-    --overlap --kill-on-bad-exit=1 ${MS_SRUN_ARGS:-} "${MS_TRAIN_ARGV[@]}" &
+    --overlap --kill-on-bad-exit=1 ${MS_SRUN_ARGS:-} bash -c \
+    'echo "[megatron-search] rank ${SLURM_PROCID} of ${SLURM_NTASKS} on node ${SLURMD_NODENAME:-$(hostname)}" >&2; exec "$@"' \
+    ms-rank "${MS_TRAIN_ARGV[@]}" &
   MS_TRAIN_PID=$!
   wait "$MS_TRAIN_PID"
 }

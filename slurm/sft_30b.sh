@@ -12,5 +12,7 @@
 # Usage: sbatch slurm/sft_30b.sh [key.sub=value ...]     (bash slurm/sft_30b.sh --dry-run prints the plan)
 MS_STAGE=sft
 MS_CONFIG=${MS_CONFIG:-configs/qwen3_30b_a3b_sft.yaml}
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+MS_LIB=$(dirname "${BASH_SOURCE[0]}")/lib.sh  # sbatch runs a spooled copy of this script: then the submit dir's
+[ -f "$MS_LIB" ] || MS_LIB=${MS_REPO:-${SLURM_SUBMIT_DIR:-.}}/slurm/lib.sh
+source "$MS_LIB"
 ms_main "$@"

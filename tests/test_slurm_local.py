@@ -1,0 +1,187 @@
+"""The sbatch path for real: a local two-node Slurm (tests/slurm/local_cluster.sh), the tiny SFT
+script submitted with sbatch, preempted with the batch shell's signal, requeued and resumed.
+
+One job covers the whole path (CPU time is the budget): the job starts 2 ranks over nodes n1 and
+n2, gets USR1 on its batch shell (what `--signal=B:USR1@...` sends before the time limit), and
+must then save a checkpoint, call `scontrol requeue`, come back with Restarts=1, resume from that
+checkpoint and finish with JobState=COMPLETED. `sbatch --wait` can return 0 for a job that never
+ran, so the test reads the job state from `scontrol show job` (accounting is off: no sacct).
+
+Runs wherever Slurm can run: as root, installing Debian's slurmctld/slurmd/slurm-client/munge when
+missing (CI). Skipped only when that is impossible (not root, or apt refused the install).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _sft_helpers import train_tokenizer, write_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "tests" / "slurm" / "local_cluster.sh"
+SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+STEPS = 40  # long enough that the signal lands mid-run, short enough for CI
+
+
+def _have_slurm() -> bool:
+    return all(shutil.which(b) for b in SLURM_BINARIES)
+
+
+def _free_port_block(n: int) -> int:
+    """First port of n consecutive free TCP ports on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
+
+def _base_env() -> dict:
+    """The test's environment without any enclosing launcher's placement (pytest itself may run
+    inside a Slurm job or under torchrun)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in drop}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm (slurmd, munged) needs root")
+    if not _have_slurm() and not shutil.which("apt-get"):
+        pytest.skip("Slurm is not installed and there is no apt-get to install it")
+    state = tmp_path_factory.mktemp("slurm")
+    env = _base_env()
+    env["MS_SLURM_BASE_PORT"] = str(_free_port_block(4))
+    try:
+        proc = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True,
+                              env=env, timeout=900)
+        if proc.returncode != 0 and not _have_slurm():
+            pytest.skip(f"apt could not install Slurm: {proc.stderr[-500:]}")
+        assert proc.returncode == 0, f"local Slurm did not start:\n{proc.stderr[-3000:]}\n{_logs(state)}"
+        env["SLURM_CONF"] = str(state / "slurm.conf")
+        yield env
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)
+        left = sorted(p.name for p in (state / "pids").glob("*.pid")) if (state / "pids").is_dir() else []
+        assert not left, f"daemons left running: {left}"
+
+
+def _logs(state: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted((state / "log").glob("*.log")))
+
+
+def _job(env: dict, job_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env,
+                         timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _wait(env: dict, job_id: str, log: Path, until, what: str, timeout: float) -> dict:
+    """Poll `scontrol show job` until `until(info)`; fail with the job log on timeout or a terminal
+    state reached too early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = _job(env, job_id)
+        if until(info):
+            return info
+        if info.get("JobState") in TERMINAL:
+            pytest.fail(f"job {job_id} ended {info.get('JobState')} while waiting for {what}:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} not {what} after {timeout:.0f}s (state {info.get('JobState')}):\n{_tail(log)}")
+        time.sleep(0.5)
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no job log)"
+
+
+def _tensorboard_steps(tb_dir: Path) -> list[int]:
+    """train/loss steps of every event file in write order (a run restarted from scratch would
+    repeat steps; one that resumed continues them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for f in sorted(tb_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
+        acc = EventAccumulator(str(f), purge_orphaned_data=False)
+        acc.Reload()
+        steps += [e.step for e in acc.Scalars("train/loss")]
+    return steps
+
+
+def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
+    env = dict(cluster)
+    env.update(MS_PYTHON=sys.executable, MS_LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1",
+               MS_MASTER_PORT=str(_free_port_block(1)))
+    data = write_dataset(tmp_path / "sft.jsonl", range(8))
+    tok = train_tokenizer(tmp_path)
+    run = tmp_path / "run"
+    log = tmp_path / "job.out"
+    submit = subprocess.run(
+        ["sbatch", "--parsable", f"--output={log}", "slurm/sft_tiny.sh", f"model.tokenizer={tok}",
+         f"sft.datasets={{{data}: 1.0}}", f"run.output_dir={run}", f"sft.steps={STEPS}", "logging.progress_bars=true"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    try:
+        # The progress bar appears once training has installed its signal handler.
+        _wait(env, job, log, lambda i: i.get("JobState") == "RUNNING" and "sft:" in _tail(log, 10**6),
+              "training", 240)
+        sig = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True,
+                             timeout=30)
+        assert sig.returncode == 0, sig.stderr
+        # lib.sh's trap: training checkpoints and exits, then `scontrol requeue`.
+        _wait(env, job, log, lambda i: int(i.get("Restarts", 0)) >= 1, "requeued", 180)
+        # Slurm delays a requeued job's start (BeginTime); let it start now.
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True,
+                       timeout=30)
+        info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 300)
+    finally:
+        if _job(env, job).get("JobState") not in TERMINAL:
+            subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+    text = _tail(log, 10**7).replace("\r", "\n")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
+    assert info["Restarts"] == "1"
+
+    # Both runs placed rank 0 on n1 and rank 1 on n2.
+    assert text.count("[megatron-search] rank 0 of 2 on node n1") == 2, text[-4000:]
+    assert text.count("[megatron-search] rank 1 of 2 on node n2") == 2, text[-4000:]
+    assert "preemption signal: asking training to checkpoint, then requeueing job" in text
+    saved = re.search(r"stop signal received: saved step (\d+), exiting", text)
+    assert saved, text[-4000:]
+    k = int(saved.group(1))
+    assert 1 <= k < STEPS
+    assert "restart 1: resuming from the latest checkpoint" in text
+
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    for step in (k, STEPS):
+        d = ckpt / f"step_{step:08d}"
+        assert (d / "model_optim" / "metadata.json").is_file() and (d / "trainer.json").is_file()
+        assert f'"iteration": {step},' in (d / "trainer.json").read_text()
+    # One event file per run: steps 1..k, then k+1..STEPS (resumed, not restarted).
+    assert _tensorboard_steps(run / "tensorboard") == list(range(1, STEPS + 1))
