@@ -5,8 +5,8 @@ at 1 process and on 2 gloo processes with TP=2 (sequence parallel), EP=2, PP=2 (
 Flow: a 1-process spawn builds each architecture's model, saves its full weights and records
 (loss, grad norm) of one Megatron optimizer step on a fixed batch; then one 2-process spawn runs
 every architecture x layout in turn, loading the full weights resharded by slicing (models/reshard.py) and
-recording the same two numbers plus the worst per-parameter gradient error against the
-reference gradients (sliced the same way). Add an architecture with one line in ARCHITECTURES.
+recording the same two numbers plus the worst per-parameter error of gradients and of the
+optimizer update against the reference (sliced the same way). Add an architecture with one line in ARCHITECTURES.
 """
 from __future__ import annotations
 
@@ -24,17 +24,23 @@ LAYOUTS = {
     "ep2": ["parallel.ep=2"],
     "pp2": ["parallel.pp=2"],
     "pp2_vpp2": ["parallel.pp=2", "parallel.vpp=2"],  # interleaved 1F1B, one layer per model chunk
+    "ep2_distopt": ["parallel.ep=2", "parallel.distributed_optimizer=true"],  # reduce-scatter + param all-gather
 }
 GLOBAL_BATCH, SEQ_LEN = 4, 16
-MICRO_BATCH = {"reference": 4, "tp2_sp": 2, "ep2": 1, "pp2": 1, "pp2_vpp2": 1}  # PP runs 4 microbatches through 1F1B
+MICRO_BATCH = {"reference": 4, "tp2_sp": 2, "ep2": 1, "pp2": 1, "pp2_vpp2": 1, "ep2_distopt": 1}
 DATA_SEED = 1234
+# Adam's first step is g / (|g| + eps): with the usual tiny eps it is sign-like and would hide a
+# gradient of the wrong size. With eps >> |g| it is ~ lr * g / eps, smooth in g, so comparing updates
+# checks the optimizer path (incl. the distributed optimizer's shards; it only supports Adam) elementwise.
+# A large lr keeps updates far above the fp32 rounding of the weights (p_after - p_before).
+ADAM_LR, ADAM_EPS = 100.0, 1.0
 
 
 def _config(arch: str, layout: list[str], world: int):
     from megatron_search.config import load_config
 
     return load_config(None, [f"model.hf_config={ARCHITECTURES[arch]}", f"parallel.world_size={world}",
-                              "optim.lr=1e-4", *layout])
+                              "parallel.distributed_optimizer=false", *layout])
 
 
 def _batch():
@@ -45,13 +51,18 @@ def _batch():
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def _grads(ddp_chunks) -> dict[str, torch.Tensor]:
-    """Each parameter's reduced fp32 gradient after the step (identically clipped in every layout)."""
-    return {n.removeprefix("module."): p.main_grad.detach().clone() for m in ddp_chunks for n, p in m.named_parameters()}
+def _grads(ddp_chunks) -> list[dict[str, torch.Tensor]]:
+    """Per model chunk, each parameter's reduced fp32 gradient after the step (identically clipped everywhere)."""
+    return [{n.removeprefix("module."): p.main_grad.detach().clone() for n, p in m.named_parameters()}
+            for m in ddp_chunks]
 
 
-def _worst_grad_error(cfg, chunks, ddp_chunks, ref_grads: dict) -> tuple[float, str]:
-    """Largest |grad - reference shard| / max|reference tensor| over this rank's parameters.
+def _params(chunks) -> list[dict[str, torch.Tensor]]:
+    return [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
+
+
+def _worst_error(cfg, chunks, ours: list[dict], ref_full: dict) -> tuple[float, str]:
+    """Largest |ours - reference shard| / max|reference tensor| over this rank's parameters.
 
     Much stricter than the global norm: a gradient missing another rank's contribution
     (a wrong reduction group) barely moves the norm but shows here.
@@ -61,20 +72,30 @@ def _worst_grad_error(cfg, chunks, ddp_chunks, ref_grads: dict) -> tuple[float, 
 
     tp_slice = getattr(architecture_module(cfg)[0], "tp_slice", None)
     worst, where = 0.0, ""
-    for v, (chunk, ddp) in enumerate(zip(chunks, ddp_chunks)):
-        ref_local = reshard.shard_full_state(chunk, ref_grads, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
+    for v, chunk in enumerate(chunks):
+        ref_local = reshard.shard_full_state(chunk, ref_full, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
                                              tp_slice=tp_slice)
-        for name, p in ddp.named_parameters():
-            local = name.removeprefix("module.")
+        for local, _ in chunk.named_parameters():
             ref = ref_local[local]
-            err = float((p.main_grad - ref).abs().max()) / (float(ref.abs().max()) + 1e-12)
+            err = float((ours[v][local] - ref).abs().max()) / (float(ref.abs().max()) + 1e-12)
             if err > worst:
-                worst, where = err, local
+                worst, where = err, f"chunk {v}: {local}"
     return worst, where
 
 
-def _one_step(cfg, full_state: dict | None, micro_batch: int, ref_grads: dict | None = None):
-    from megatron_search.distributed.step import data_parallel_slice, make_optimizer, train_step, wrap_ddp
+def _linear_adam(cfg, ddp_chunks):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=ADAM_LR, adam_eps=ADAM_EPS, weight_decay=0.0,
+                        clip_grad=cfg.optim.clip_grad, use_distributed_optimizer=cfg.parallel.distributed_optimizer),
+        ddp_chunks,
+    )
+
+
+def _one_step(cfg, full_state: dict | None, micro_batch: int, ref: dict | None = None):
+    """One optimizer step; returns (loss/grad-norm/error metrics, what the reference saves or None)."""
+    from megatron_search.distributed.step import data_parallel_slice, train_step, wrap_ddp
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
 
@@ -87,13 +108,16 @@ def _one_step(cfg, full_state: dict | None, micro_batch: int, ref_grads: dict | 
         for v, chunk in enumerate(chunks):
             reshard.load_full_state(chunk, full_state, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
                                     tp_slice=getattr(module, "tp_slice", None))
+    before = _params(chunks)
     ddp = wrap_ddp(cfg, chunks, chunks[0].config)
-    optimizer = make_optimizer(cfg, ddp)
-    loss, grad_norm = train_step(ddp, optimizer, data_parallel_slice(_batch()), micro_batch)
+    loss, grad_norm = train_step(ddp, _linear_adam(cfg, ddp), data_parallel_slice(_batch()), micro_batch)
     result = {"loss": loss, "grad_norm": grad_norm}
-    if ref_grads is None:
-        return result, (saved, _grads(ddp))
-    result["grad_max_rel_err"], result["grad_worst_param"] = _worst_grad_error(cfg, chunks, ddp, ref_grads)
+    update = [{n: p - b[n] for n, p in after.items()} for after, b in zip(_params(chunks), before)]
+    if ref is None:  # the 1-process model is a single chunk
+        return result, {"weights": saved, "grads": _grads(ddp)[0], "update": update[0]}
+    if not cfg.parallel.distributed_optimizer:  # the distributed optimizer keeps only its grad shard reduced
+        result["grad_max_rel_err"], result["grad_worst_param"] = _worst_error(cfg, chunks, _grads(ddp), ref["grads"])
+    result["update_max_rel_err"], result["update_worst_param"] = _worst_error(cfg, chunks, update, ref["update"])
     return result, None
 
 
@@ -104,8 +128,8 @@ def reference_worker(rank: int, world: int, port: int, archs: list[str], out: st
     for arch in archs:
         cfg = _config(arch, [], 1)
         ctx = init_distributed(cfg, env=DistEnv(0, 1, 0, "127.0.0.1", port, "single"))
-        result, (weights, grads) = _one_step(cfg, None, MICRO_BATCH["reference"])
-        torch.save({"weights": weights, "grads": grads}, Path(out) / f"{arch}_full.pt")
+        result, saved = _one_step(cfg, None, MICRO_BATCH["reference"])
+        torch.save(saved, Path(out) / f"{arch}_full.pt")
         (Path(out) / f"{arch}_reference.json").write_text(json.dumps(result))
         ctx.teardown()
 
@@ -124,7 +148,7 @@ def layouts_worker(rank: int, world: int, port: int, archs: list[str], out: str)
         for name, overrides in LAYOUTS.items():
             cfg = _config(arch, overrides, world)
             ctx = init_distributed(cfg, env=env)  # reuses the group, re-creates Megatron's groups
-            results[name], _ = _one_step(cfg, saved["weights"], MICRO_BATCH[name], saved["grads"])
+            results[name], _ = _one_step(cfg, saved["weights"], MICRO_BATCH[name], saved)
             ctx.teardown()
         (Path(out) / f"{arch}_layouts_rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -23,6 +23,8 @@ untouched. Two functions are replaced outright: the tracker's `_get/_set_cuda_rn
 reach into `torch.cuda.default_generators`), and `moe_utils.te_general_gemm`, which is left
 undefined when Transformer Engine is missing although the router still tests it against None,
 and the optimizer's `clip_grad_by_total_norm_fp32`, which asserts that gradients are CUDA tensors.
+The bf16/fp16 and distributed optimizers' constructors run with CUDA-spelled `Tensor.type()` names
+(they dispatch on those strings).
 
 Modules loaded when `enable_cpu_compat()` runs are rebound at once (it first imports the modules a
 training step uses); Megatron modules imported later are rebound as they load, by a small import
@@ -31,6 +33,7 @@ hook (`_RebindOnImport`). Call it before building models (init_distributed does)
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import logging
@@ -63,6 +66,7 @@ _MODULES_TO_LOAD = (
     "megatron.core.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor")
 
@@ -195,6 +199,41 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
         torch._foreach_mul_(grads, clip_coeff)
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Megatron's optimizers choose fp16/bf16/fp32 handling by comparing `param.type()` with
+    'torch.cuda.*Tensor' strings (and raise for anything else). While their constructors run,
+    CPU tensors answer with the CUDA spelling of the same dtype; conversions (`type(dtype)`) are
+    untouched and the real method is restored afterwards."""
+    original = torch.Tensor.type
+
+    def type_name(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _construct_with_cuda_type_names(cls: type) -> None:
+    original = cls.__init__
+    if getattr(original, "_megatron_search_cpu_compat", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        with _cuda_type_names():
+            original(self, *args, **kwargs)
+
+    __init__._megatron_search_cpu_compat = True
+    cls.__init__ = __init__
+
+
 class _DropCpuRngWarning(logging.Filter):
     # On CPU the "CUDA" RNG *is* the CPU generator, so the tracker's check that forked code left the
     # CPU RNG alone always fires; the fork still restores the state correctly.
@@ -272,6 +311,11 @@ def enable_cpu_compat() -> bool:
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    for modname, clsname in (("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+                             ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")):
+        cls = getattr(sys.modules.get(modname), clsname, None)
+        if cls is not None:
+            _construct_with_cuda_type_names(cls)
     for modname in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         mod = sys.modules.get(modname)
         if mod is not None and hasattr(mod, "clip_grad_by_total_norm_fp32"):

@@ -52,8 +52,7 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
 
 
 def distributed_optimizer_enabled(cfg) -> bool:
-    # gloo has no reduce_scatter, which the distributed optimizer's grad reduction needs.
-    return bool(cfg.parallel.distributed_optimizer) and torch.cuda.is_available()
+    return bool(cfg.parallel.distributed_optimizer)
 
 
 def make_optimizer(cfg, ddp_chunks: list):
@@ -61,11 +60,6 @@ def make_optimizer(cfg, ddp_chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o, m = cfg.optim, cfg.model
-    if m.params_dtype != "float32" and not torch.cuda.is_available():
-        raise ValueError(
-            f"model.params_dtype={m.params_dtype}: Megatron's mixed-precision optimizer only wraps CUDA tensors; "
-            "train with float32 on CPU"
-        )
     ocfg = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
