@@ -77,6 +77,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from megatron_search.data.jsonl import DataError
     from megatron_search.eval import BenchmarkSpec, evaluate
+    from megatron_search.search.base import SearchBackendError
 
     cfg = load_from_args(args)
     try:
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                           limit=args.limit, variants=variants, prices=prices, sbs_baseline=args.sbs_baseline,
                           language=not args.no_language, tensorboard=not args.no_tensorboard,
                           progress=not args.quiet)
-    except (ValueError, DataError, FileNotFoundError) as e:
+    except (ValueError, DataError, FileNotFoundError, SearchBackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for name, st in report["status"].items():
