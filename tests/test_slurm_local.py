@@ -133,6 +133,18 @@ def _tensorboard_steps(tb_dir: Path) -> list[int]:
     return steps
 
 
+def test_sft_tiny_dry_run_without_slurm():
+    """The tiny script plans 2 nodes x 1 rank from its config, like the big ones, with no Slurm around."""
+    env = _base_env()
+    env["MS_PYTHON"] = sys.executable
+    out = subprocess.run(["bash", "slurm/sft_tiny.sh", "--dry-run", "sft.steps=5"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "training: 2 node(s) x 1 ranks = world 2; master node001" in out.stdout
+    assert "SGLang engines: 0" in out.stdout
+    assert "srun --nodes=2 --ntasks-per-node=1 megatron-search sft configs/tiny_sft_slurm.yaml sft.steps=5" in out.stdout
+
+
 def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
     env = dict(cluster)
     env.update(MS_PYTHON=sys.executable, MS_LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1",
