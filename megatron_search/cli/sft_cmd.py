@@ -33,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if summary["rank"] != 0:
+        return 0
     if summary["losses"]:
         state = "stopped by signal" if summary["stopped"] else "done"
         print(f"sft {state}: step {summary['iterations'][-1]}, loss {summary['losses'][-1]:.4f}, "

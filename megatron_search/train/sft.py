@@ -63,7 +63,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     `on_start(trainer)` runs once the model is built (and resumed); `on_step(iteration, metrics)`
     after each step; both on every rank (progress hooks, tests).
     Summary: {"iterations": [...], "losses": [...], "grad_norms": [...], "stopped": bool,
-    "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut}.
+    "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut, "rank"}.
     """
     from megatron_search.distributed import init_distributed
 
@@ -83,7 +83,8 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
             on_start(trainer)
         out = Path(cfg.run.output_dir)
         writer = MetricsWriter(out / "tensorboard", enabled=cfg.logging.tensorboard and ctx.is_main)
-        summary = {"iterations": [], "losses": [], "grad_norms": [], "stopped": False, "checkpoint": None}
+        summary = {"iterations": [], "losses": [], "grad_norms": [], "stopped": False, "checkpoint": None,
+                   "rank": ctx.rank}
         bar = tqdm(total=cfg.sft.steps, initial=trainer.iteration, desc="sft", unit="step",
                    disable=not (ctx.is_main and cfg.logging.progress_bars))
         saved_at = None
