@@ -91,3 +91,12 @@ def test_cpu_grad_clipping_scales_by_max_over_total():
     p3.grad = torch.zeros(1, dtype=torch.float16)
     with pytest.raises(TypeError, match="float16"):
         cpu_compat._clip_grad_by_total_norm_fp32_cpu([p3], max_norm=1.0, total_norm=2.0)
+
+
+def test_cuda_type_names_only_inside_optimizer_construction():
+    t = torch.zeros(2)
+    with cpu_compat._cuda_type_names():
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert t.type(torch.float64).dtype == torch.float64  # conversions unchanged
+    assert t.type() == "torch.FloatTensor"

@@ -20,3 +20,13 @@ def test_smoke_under_torchrun_pp2():
     losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)", out.stdout, re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "world=2 tp=1 pp=2" in out.stdout and "loss fell" in out.stdout
+
+
+def test_smoke_bf16_one_process():
+    # Megatron's mixed-precision optimizer (fp32 main params) on CPU via the compat layer.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "-m", "megatron_search.cli", "smoke", "configs/tiny_cpu.yaml",
+           "model.params_dtype=bfloat16", "--steps", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "loss fell" in out.stdout
