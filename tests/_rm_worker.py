@@ -23,6 +23,17 @@ def _tokenizer(pairs, out: Path) -> str:
     return str(BPETokenizer.train(texts, vocab_size=512, min_frequency=2).save(out / "tok"))
 
 
+def _hf_policy(cfg, out: Path) -> tuple[Path, torch.Tensor]:
+    """A random HF policy of the tiny config saved as safetensors, and its input embedding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(str(cfg.model.resolved_hf_config()))
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out, model.get_input_embeddings().weight.detach().clone()
+
+
 def _tb_tags(log_dir: Path) -> list[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -89,6 +100,12 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     r["init_head_fresh"] = not torch.equal(trainer.model[0].value_head.linear.weight,
                                            fresh.model[0].value_head.linear.weight)
     r["init_note"] = fresh.init_note
+    # init from an HF policy checkpoint (safetensors written by transformers for the tiny config)
+    hf_dir, hf_embed = _hf_policy(cfg, out / "hf_policy")
+    from_hf = RMTrainer(load_config(None, overrides + [f"rm.init_from={hf_dir}"]), ctx)
+    emb = from_hf.model[0].backbone.embedding.word_embeddings.weight
+    r["hf_init_embedding_equal"] = bool(torch.equal(emb, hf_embed))
+    r["hf_init_note"] = from_hf.init_note
     r["checkpoints"] = sorted(p.name for p in (out / "run" / "checkpoints").iterdir())
     r["tb_tags"] = _tb_tags(out / "run" / "tensorboard")
     ctx.teardown()

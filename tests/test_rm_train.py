@@ -47,5 +47,6 @@ def test_checkpoints_tensorboard_and_policy_init(result):
     assert result["reload_max_diff"] == 0.0
     assert result["init_backbone_equal"] and result["init_head_fresh"]
     assert result["init_note"].startswith("Megatron checkpoint")
+    assert result["hf_init_embedding_equal"] and result["hf_init_note"].startswith("HF checkpoint")
     for tag in ("rm/loss", "rm/accuracy", "rm/margin", "rm/eval_accuracy", "rm/eval_margin", "rm/eval_loss"):
         assert tag in result["tb_tags"]
