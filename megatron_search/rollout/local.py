@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -25,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
-from .local_runner import ModelRunner, SeqState, load_hf_model
+from .local_runner import ModelRunner, PrefixStore, SeqState, load_hf_model
 from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .weight_group import open_gloo_group, receive_named_tensors
@@ -51,63 +50,6 @@ class _Active:
     def fed_target(self) -> list[int]:
         """Tokens whose state must exist before the next sample: input + every output so far."""
         return list(self.req.input_ids) + self.output_ids
-
-
-class PrefixStore:
-    """LRU of sequence states for reuse by later requests (next turns, shared prompts).
-
-    Exact entries: a stored sequence that is a strict prefix of the input is reused whole (any
-    model). Block entries (attention-only models, whose KV can be cut): every `block`-token
-    boundary of a stored sequence is indexed, so inputs that share only a head with it (the
-    system prompt and tool list) reuse that head, cut to the boundary.
-    """
-
-    def __init__(self, max_entries: int, block: int = 0):
-        self.max_entries = max_entries
-        self.block = block
-        self._entries: OrderedDict[tuple, SeqState] = OrderedDict()
-        self._blocks: OrderedDict[tuple, SeqState] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, state: SeqState) -> None:
-        if self.max_entries == 0 or not state.tokens:
-            return
-        key = tuple(state.tokens)
-        self._entries[key] = state
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-        if self.block:
-            for b in range(self.block, len(key) + 1, self.block):
-                self._blocks[key[:b]] = state
-                self._blocks.move_to_end(key[:b])
-            while len(self._blocks) > self.max_entries * 8:  # bounded like the exact entries
-                self._blocks.popitem(last=False)
-
-    def longest_prefix(self, tokens: list[int]) -> tuple[Optional[SeqState], int]:
-        """(state, n): reuse the first n tokens of `state` (n < len(tokens)); (None, 0) if nothing fits."""
-        best, best_n = None, 0
-        for n in sorted({len(k) for k in self._entries}, reverse=True):
-            if n < len(tokens):
-                key = tuple(tokens[:n])
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-                    best, best_n = self._entries[key], n
-                    break
-        if self.block:
-            b = (len(tokens) - 1) // self.block * self.block
-            while b > best_n:
-                state = self._blocks.get(tuple(tokens[:b]))
-                if state is not None:
-                    return state, b
-                b -= self.block
-        return best, best_n
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._blocks.clear()
 
 
 def sample_tokens(

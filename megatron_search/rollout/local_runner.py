@@ -9,8 +9,8 @@ indices are captured by forward hooks, one row per fed token, for routing replay
 """
 from __future__ import annotations
 
-import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -63,6 +63,63 @@ class SeqState:
         all_NLK = np.concatenate(self.experts, axis=0) if len(self.experts) != 1 else self.experts[0]
         self.experts = [all_NLK]
         return all_NLK[start:]
+
+
+class PrefixStore:
+    """LRU of sequence states for reuse by later requests (next turns, shared prompts).
+
+    Exact entries: a stored sequence that is a strict prefix of the input is reused whole (any
+    model). Block entries (attention-only models, whose KV can be cut): every `block`-token
+    boundary of a stored sequence is indexed, so inputs that share only a head with it (the
+    system prompt and tool list) reuse that head, cut to the boundary.
+    """
+
+    def __init__(self, max_entries: int, block: int = 0):
+        self.max_entries = max_entries
+        self.block = block
+        self._entries: OrderedDict[tuple, SeqState] = OrderedDict()
+        self._blocks: OrderedDict[tuple, SeqState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, state: SeqState) -> None:
+        if self.max_entries == 0 or not state.tokens:
+            return
+        key = tuple(state.tokens)
+        self._entries[key] = state
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        if self.block:
+            for b in range(self.block, len(key) + 1, self.block):
+                self._blocks[key[:b]] = state
+                self._blocks.move_to_end(key[:b])
+            while len(self._blocks) > self.max_entries * 8:  # bounded like the exact entries
+                self._blocks.popitem(last=False)
+
+    def longest_prefix(self, tokens: list[int]) -> tuple[Optional[SeqState], int]:
+        """(state, n): reuse the first n tokens of `state` (n < len(tokens)); (None, 0) if nothing fits."""
+        best, best_n = None, 0
+        for n in sorted({len(k) for k in self._entries}, reverse=True):
+            if n < len(tokens):
+                key = tuple(tokens[:n])
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    best, best_n = self._entries[key], n
+                    break
+        if self.block:
+            b = (len(tokens) - 1) // self.block * self.block
+            while b > best_n:
+                state = self._blocks.get(tuple(tokens[:b]))
+                if state is not None:
+                    return state, b
+                b -= self.block
+        return best, best_n
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._blocks.clear()
 
 
 class ModelRunner:
@@ -215,21 +272,3 @@ class ModelRunner:
                 )
             )
         return new_states, out.logits[:, -1].float()
-
-    @torch.no_grad()
-    def score(self, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
-        """Plain full forward (no cache): logprob of token t+1 given tokens <= t, [len - 1] fp32."""
-        ids = torch.tensor([token_ids], dtype=torch.long)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        self._captured.clear()
-        if temperature > 0:
-            logits = logits / temperature
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-
-
-def read_model_path(path: str | Path) -> dict:
-    """The config.json of an HF directory (for /get_model_info and architecture checks)."""
-    p = Path(path)
-    p = p if p.is_file() else p / "config.json"
-    with open(p) as f:
-        return json.load(f)

@@ -82,11 +82,6 @@ def read_safetensors_dir(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def named_parameters_for_sync(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's parameters by HF name (what a trainer would push); handy for tests and tools."""
-    return [(n, p.detach()) for n, p in model.named_parameters()]
-
-
 def check_dtypes(dtypes: Sequence[str]) -> list[torch.dtype]:
     """torch dtypes for SGLang's dtype strings ('bfloat16' or 'torch.bfloat16')."""
     out = []
