@@ -93,6 +93,11 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     # reload the checkpoint into a fresh RM; init a new RM's backbone from it (policy-init path)
     loaded = build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}"]))
     r["reload_max_diff"] = float((loaded.p_bar(x, a, b) - p_ab).abs().max())
+    try:
+        build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}", "reward.scorer=pairwise"]))
+        r["kind_mismatch_error"] = ""
+    except ValueError as e:
+        r["kind_mismatch_error"] = str(e)
     fresh = RMTrainer(load_config(None, overrides + [f"rm.init_from={res['checkpoint']}"]), ctx)
     tb = dict(trainer.model[0].backbone.named_parameters())
     fb = dict(fresh.model[0].backbone.named_parameters())

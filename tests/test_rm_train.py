@@ -45,6 +45,7 @@ def test_checkpoints_tensorboard_and_policy_init(result):
     assert result["checkpoints"][-1] == "step_00000008" and "latest" in result["checkpoints"]
     assert "step_00000004" in result["checkpoints"]
     assert result["reload_max_diff"] == 0.0
+    assert "is a pointwise reward model but reward.scorer=pairwise" in result["kind_mismatch_error"]
     assert result["init_backbone_equal"] and result["init_head_fresh"]
     assert result["init_note"].startswith("Megatron checkpoint")
     assert result["hf_init_embedding_equal"] and result["hf_init_note"].startswith("HF checkpoint")

@@ -26,7 +26,7 @@ def build_scorer(cfg, chunks: list | None = None) -> RMScorer:
         if not cfg.rm.load:
             raise ValueError("rm.load: no trained reward model given (set rm.load=<RM checkpoint>)")
         chunks = build_reward_model_chunks(cfg)
-        load_rm_weights(chunks, cfg.rm.load)
+        load_rm_weights(chunks, cfg.rm.load, kind=cfg.reward.scorer)
     encoder, pad_id = load_encoder(cfg)
     seq_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     return RMScorer(chunks, encoder, pad_id, 2 * cfg.rm.score_batch_pairs, seq_multiple)

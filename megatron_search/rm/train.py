@@ -51,8 +51,11 @@ class RMTrainer(Trainer):
         self.root = checkpoint_root(cfg)
 
 
-def load_rm_weights(chunks: list, path: str | Path) -> Path:
-    """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir."""
+def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) -> Path:
+    """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir.
+
+    `kind`: the scorer kind the caller will use; a checkpoint trained as the other kind is an error
+    (a pointwise head read as a pairwise Delta, or vice versa, gives meaningless scores)."""
     from megatron_search.train.checkpoint import _dist_ckpt, read_trainer_meta
     from megatron_search.train.checkpoint_dir import latest_checkpoint
 
@@ -61,6 +64,10 @@ def load_rm_weights(chunks: list, path: str | Path) -> Path:
     if ckpt is None:
         raise FileNotFoundError(f"rm.load: no complete RM checkpoint at or under {path}")
     meta = read_trainer_meta(ckpt)
+    trained = meta.get("extra", {}).get("kind")
+    if kind is not None and trained is not None and trained != kind:
+        raise ValueError(f"rm.load: {ckpt} is a {trained} reward model but reward.scorer={kind}; "
+                         f"set reward.scorer={trained}")
     if meta["num_chunks"] != len(chunks):
         raise ValueError(f"rm.load: {ckpt} has {meta['num_chunks']} model chunk(s), this layout builds {len(chunks)}")
     state = _dist_ckpt().load({f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)},
