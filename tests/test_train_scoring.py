@@ -4,7 +4,7 @@ import torch
 
 from megatron_search.data.mix import MixItem
 from megatron_search.rollout.types import Rollout, Segment
-from megatron_search.train.scoring import ReferenceAnswer, score_rollouts
+from megatron_search.train.scoring import ReferenceAnswer, preference_inputs, score_rollouts
 
 
 def ro(answer, model_tokens, calls=0, failed=0):
@@ -34,7 +34,8 @@ def test_qa_and_rubric_items():
                 ro("u are late", 4), ]
     refs = [ReferenceAnswer("Ada", 6)] * 2 + [ReferenceAnswer("you're late", 7)] * 2
     scorer = LengthRatioScorer()
-    s = score_rollouts(items, rollouts, [0, 0, 1, 1], refs, scorer, "substring")
+    s = score_rollouts(items, rollouts, [0, 0, 1, 1], refs, scorer.score(*preference_inputs(items, rollouts, refs)),
+                       "substring")
     assert s.r_base.tolist() == [1, 0, 1, 0]
     assert s.tool_calls.tolist() == [2, 1, 0, 0] and s.failed_calls.tolist() == [1, 0, 0, 0]
     assert s.lengths.tolist() == [5, 3, 4, 4] and s.ref_lengths.tolist() == [6, 6, 7, 7]
@@ -44,11 +45,11 @@ def test_qa_and_rubric_items():
 
 def test_missing_answer_scores_zero_and_unjudgeable_rubric_is_an_error():
     qa = MixItem("q", "qa", "qa", [], answers=["Zed"])
-    s = score_rollouts([qa], [ro(None, 3)], [0], [ReferenceAnswer("Zed", 1)], LengthRatioScorer(), "exact")
+    s = score_rollouts([qa], [ro(None, 3)], [0], [ReferenceAnswer("Zed", 1)], torch.tensor([0.5]), "exact")
     assert s.r_base.tolist() == [0]
     rub = MixItem("r", "rubric", "rubric", [], rubrics=["The tone is warm and friendly"])
     with pytest.raises(ValueError, match="needs an LLM judge"):
-        score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], LengthRatioScorer(), "exact")
-    judged = score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], LengthRatioScorer(), "exact",
+        score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact")
+    judged = score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact",
                             judge=lambda rubric, answer: True)
     assert judged.r_base.tolist() == [1]

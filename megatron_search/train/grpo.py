@@ -29,10 +29,10 @@ from .grpo_metrics import rollout_metrics
 from .metrics import MetricsWriter, format_line
 from .policy_step import policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
-from .scoring import score_rollouts
+from .scoring import preference_inputs, score_rollouts
 from .signals import StopRequest
 
-REFERENCE_WEIGHTS = "reference_weights"
+REFERENCE_WEIGHTS, FINAL_WEIGHTS = "reference_weights", "final_weights"
 
 
 class GRPORun:
@@ -50,9 +50,17 @@ class GRPORun:
         self.dp = ps.get_data_parallel_world_size()
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
-        self.driver = self.sampler = self.preference = None
+        self.driver = self.sampler = None
         self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
         extra = self.trainer.resume()
+        from .grpo_preference import build_preference
+
+        # The reward model runs in the training layout: every rank holds its shard and scores together.
+        self.preference = build_preference(cfg)
+        if not extra and cfg.checkpoint.load and not cfg.checkpoint.resume:
+            from .init_weights import load_model_weights
+
+            load_model_weights(self.trainer, cfg.checkpoint.load)  # e.g. the SFT checkpoint
         if self.is_driver:
             self._build_driver(extra)
         self.resumed = bool(extra)
@@ -60,7 +68,6 @@ class GRPORun:
     def _build_driver(self, extra: dict) -> None:
         from .grpo_data import build_mix_sampler
         from .grpo_driver import RolloutDriver, build_engines
-        from .grpo_preference import build_preference
 
         self.out.mkdir(parents=True, exist_ok=True)
         engines, servers = build_engines(self.cfg, self.out)
@@ -77,12 +84,12 @@ class GRPORun:
         self.sampler = build_mix_sampler(self.cfg)
         if "sampler" in extra:
             self.sampler.load_state_dict(extra["sampler"])
-        self.preference = build_preference(self.cfg)
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, first: bool) -> dict[str, float]:
-        """Export the policy (collective) and push it to the engines; on a fresh run's first sync the
-        reference engine gets the same (initial) weights, which are also saved for resumes."""
+    def sync_weights(self, first: bool, final: bool = False) -> dict[str, float]:
+        """Export the policy (collective) and push it to the engines. On a fresh run's first sync the
+        reference engine gets the same (initial) weights, saved as an HF checkpoint for resumes
+        (<output_dir>/reference_weights); the last sync also saves the final policy (final_weights)."""
         from megatron_search.weights.export import export_hf_weights
 
         t0 = time.perf_counter()
@@ -91,14 +98,19 @@ class GRPORun:
         version = str(self.trainer.iteration)
         sent = 0
         if self.is_driver:
+            hf_config = self.cfg.model.resolved_hf_config()
             ref_dir = self.out / REFERENCE_WEIGHTS
-            init_reference = first and self.cfg.grpo.reference_urls == [] and not self.resumed
-            saver = _SafetensorsSaver(ref_dir) if init_reference else None
+            init_reference = first and not self.cfg.grpo.reference_urls and not self.resumed
+            saver = None
+            if init_reference:
+                saver = HFWeightsSaver(ref_dir, hf_config)
+            elif final:
+                saver = HFWeightsSaver(self.out / FINAL_WEIGHTS, hf_config)
             sent = self.driver.push_weights(saver.tee(buckets) if saver else buckets, version,
                                             include_reference=init_reference)
             if saver:
                 saver.finish()
-            elif first and not self.cfg.grpo.reference_urls:
+            if first and not init_reference and not self.cfg.grpo.reference_urls:
                 if not (ref_dir / "model.safetensors").is_file():
                     raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
                 self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
@@ -110,26 +122,32 @@ class GRPORun:
 
     # ------------------------------------------------------------------ one step
     def make_batch(self, step: int) -> tuple[Optional[RolloutBatch], dict[str, float]]:
-        """Driver only: rollouts -> rewards -> advantages -> packed batch (None when no signal)."""
+        """Every rank: rollouts (driver) -> preference scores (all ranks, the RM is sharded like the
+        policy) -> rewards, advantages, packed batch (driver). None when no group carries signal."""
         cfg, m = self.cfg, {}
-        t0 = time.perf_counter()
-        items = self.sampler.take(cfg.grpo.prompts_per_step)
-        col = self.driver.collect(items, step)
-        t1 = time.perf_counter()
-        refs = self.driver.reference_answers(col.items)
-        scores = score_rollouts(col.items, col.rollouts, col.group_ids, refs, self.preference,
-                                cfg.reward.answer_match)
+        col = refs = None
+        triples = None
+        if self.is_driver:
+            t0 = time.perf_counter()
+            col = self.driver.collect(self.sampler.take(cfg.grpo.prompts_per_step), step)
+            t1 = time.perf_counter()
+            refs = self.driver.reference_answers(col.items)
+            m["time/rollout_s"], m["time/reference_s"] = t1 - t0, time.perf_counter() - t1
+            m["perf/rollouts_per_s"] = len(col.rollouts) / max(t1 - t0, 1e-9)
+            m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
+            triples = preference_inputs(col.items, col.rollouts, refs)
+        t2 = time.perf_counter()
+        s = self.preference.score(*_broadcast(triples))
+        if not self.is_driver:
+            return None, m
+        scores = score_rollouts(col.items, col.rollouts, col.group_ids, refs, s, cfg.reward.answer_match)
         rewards = compute_rewards_from_config(scores, cfg.reward, reward_generator(cfg.reward.seed, step))
         adv = group_advantages(rewards.reward.float(), scores.group_ids, std_normalize=cfg.grpo.advantage_std_normalize,
                                eps=cfg.grpo.advantage_eps, unbiased=cfg.grpo.advantage_std_unbiased)
-        t2 = time.perf_counter()
+        m["time/reward_s"] = time.perf_counter() - t2
         m.update(rewards.metrics(scores))
         m.update(rollout_metrics(col, scores, rewards, adv))
         m["rollout/failed"] = float(col.failed)
-        m["time/rollout_s"], m["time/reward_s"] = t1 - t0, t2 - t1
-        n_roll = len(col.rollouts)
-        m["perf/rollouts_per_s"] = n_roll / max(t1 - t0, 1e-9)
-        m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
         signal = _signal_groups(adv, scores.group_ids)
         keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
         m["train/zero_signal_groups"] = float((~signal).sum())
@@ -158,6 +176,7 @@ class GRPORun:
                                 aggregation=self.cfg.grpo.loss_aggregation,
                                 micro_batch_size=self.cfg.grpo.micro_batch_size,
                                 updates=self.cfg.grpo.updates_per_batch)
+        self.trainer.iteration += 1
         dt = time.perf_counter() - t0
         out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}
         out["train/lr"] = lr
@@ -180,11 +199,13 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-class _SafetensorsSaver:
-    """Keeps a copy of exported buckets as one safetensors file (the frozen reference's weights)."""
+class HFWeightsSaver:
+    """Keeps a copy of exported buckets and writes them as an HF checkpoint directory (config.json +
+    model.safetensors, written to a temporary name and renamed), loadable by the engines."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, hf_config: Path):
         self.dir = out_dir
+        self.hf_config = hf_config / "config.json" if hf_config.is_dir() else hf_config
         self.tensors: dict[str, torch.Tensor] = {}
 
     def tee(self, buckets):
@@ -194,11 +215,14 @@ class _SafetensorsSaver:
             yield bucket
 
     def finish(self) -> None:
+        import shutil
+
         from safetensors.torch import save_file
 
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / "model.safetensors.tmp"
         save_file(self.tensors, str(tmp))
+        shutil.copyfile(self.hf_config, self.dir / "config.json")
         tmp.replace(self.dir / "model.safetensors")
         self.tensors.clear()
 
@@ -214,13 +238,13 @@ def run_grpo(cfg) -> dict[str, float]:
         sync = run.sync_weights(first=True)
         while run.trainer.iteration < cfg.grpo.steps and not run.stop.requested:
             step = run.trainer.iteration
-            batch, metrics = run.make_batch(step) if run.is_driver else (None, {})
+            batch, metrics = run.make_batch(step)
             batch = _broadcast(batch)
             if batch is not None:
                 metrics.update(run.train_on(batch))
             else:
                 run.trainer.iteration += 1  # no signal: no update, but the step is spent
-            sync = run.sync_weights(first=False)
+            sync = run.sync_weights(first=False, final=run.trainer.iteration >= cfg.grpo.steps)
             metrics.update(sync)
             last = metrics
             if run.is_driver:

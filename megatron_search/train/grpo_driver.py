@@ -10,12 +10,12 @@ servers, same API); else `engine: local` -> the in-process CPU engine; else `eng
 
 Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
 same prompt) come from a frozen reference engine holding the initial policy, generated once per
-prompt and cached in <output_dir>/reference_answers.jsonl, so a resumed run reuses them.
+prompt and cached in <output_dir>/reference_answers.jsonl (rm/service.py's ReferenceCache), so a
+resumed run reuses them.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -80,12 +80,9 @@ class RolloutDriver:
             reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
         self.reference_engine = reference
         self.servers = list(servers)
-        self.cache_path = output_dir / "reference_answers.jsonl"
-        self.cache: dict[str, ReferenceAnswer] = {}
-        if self.cache_path.is_file():
-            for line in self.cache_path.read_text().splitlines():
-                d = json.loads(line)
-                self.cache[d["id"]] = ReferenceAnswer(d["answer"], d["generated_tokens"])
+        from megatron_search.rm.service import ReferenceCache
+
+        self.references = ReferenceCache(output_dir / "reference_answers.jsonl", self._generate_references)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -137,23 +134,20 @@ class RolloutDriver:
         return out
 
     # ------------------------------------------------------------------ reference answers
+    def _generate_references(self, prompts: list[list[dict]]) -> list[ReferenceAnswer]:
+        if self.reference is None:
+            raise RuntimeError("reference answers needed but no reference engine is configured")
+        jobs = [(self.reference, AgentTask(p, seed=self.cfg.run.seed)) for p in prompts]
+        out = []
+        for p, r in zip(prompts, self.run(self._gather(jobs, "reference answers"))):
+            if not isinstance(r, Rollout):
+                raise RuntimeError(f"reference rollout failed for prompt {p[-1].get('content', '')[:80]!r}: {r!r}")
+            out.append(ReferenceAnswer(r.final_answer or "", r.num_model_tokens))
+        return out
+
     def reference_answers(self, items: Sequence[MixItem]) -> list[ReferenceAnswer]:
-        """The frozen reference model's answer to each item (generated once per prompt id)."""
-        missing = list({it.id: it for it in items if it.id not in self.cache}.values())
-        if missing:
-            if self.reference is None:
-                raise RuntimeError("reference answers needed but no reference engine is configured")
-            jobs = [(self.reference, AgentTask(it.messages, seed=self.cfg.run.seed, metadata={"id": it.id}))
-                    for it in missing]
-            results = self.run(self._gather(jobs, "reference answers"))
-            with self.cache_path.open("a") as f:
-                for it, r in zip(missing, results):
-                    if not isinstance(r, Rollout):
-                        raise RuntimeError(f"reference rollout for {it.id} failed: {r!r}")
-                    ref = ReferenceAnswer(r.final_answer or "", r.num_model_tokens)
-                    self.cache[it.id] = ref
-                    f.write(json.dumps({"id": it.id, "answer": ref.answer, "generated_tokens": ref.generated_tokens}) + "\n")
-        return [self.cache[it.id] for it in items]
+        """The frozen reference model's answer to each item (generated once per prompt, cached on disk)."""
+        return self.references.get([it.messages for it in items])
 
     # ------------------------------------------------------------------ weights
     def push_weights(self, buckets, version: str, include_reference: bool = False) -> int:

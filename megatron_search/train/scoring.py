@@ -61,17 +61,23 @@ def base_reward(item: MixItem, answer: Optional[str], answer_match: str, judge: 
     raise ValueError(f"item {item.id}: unknown kind {item.kind!r}")
 
 
+def preference_inputs(items: Sequence[MixItem], rollouts: Sequence[Rollout], references: Sequence[ReferenceAnswer]
+                      ) -> tuple[list[list[dict]], list[str], list[str]]:
+    """(prompts, answers, reference answers) for PreferenceScorer.score; no final answer scores as ''."""
+    return [it.messages for it in items], [r.final_answer or "" for r in rollouts], [ref.answer for ref in references]
+
+
 def score_rollouts(items: Sequence[MixItem], rollouts: Sequence[Rollout], group_ids: Sequence[int],
-                   references: Sequence[ReferenceAnswer], preference: PreferenceScorer, answer_match: str,
+                   references: Sequence[ReferenceAnswer], s: torch.Tensor, answer_match: str,
                    judge: Optional[RubricJudge] = None) -> RolloutScores:
-    """RolloutScores for rollouts[i] of prompt items[i] (items repeat within a group)."""
+    """RolloutScores for rollouts[i] of prompt items[i] (items repeat within a group); `s` holds the
+    preference scores of `preference_inputs(...)` (computed by the caller: the reward model may be
+    sharded over ranks that must score together)."""
     n = len(rollouts)
     if not (len(items) == len(group_ids) == len(references) == n):
         raise ValueError(f"score_rollouts: {n} rollouts, {len(items)} items, {len(group_ids)} group ids, "
                          f"{len(references)} references")
     r_base = [base_reward(it, ro.final_answer, answer_match, judge) for it, ro in zip(items, rollouts)]
-    s = preference.score([it.messages for it in items], [ro.final_answer or "" for ro in rollouts],
-                         [ref.answer for ref in references])
     return RolloutScores(
         group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
         r_base=torch.as_tensor(r_base, dtype=torch.long),

@@ -1,0 +1,35 @@
+"""Start a run from another run's weights (checkpoint.load without checkpoint.resume).
+
+Only the model is read from the Megatron distributed checkpoint: the optimizer, RNG, data position
+and step counter start fresh, which is what GRPO after SFT wants.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import MODEL_OPTIM, _dist_ckpt, read_trainer_meta
+from .checkpoint_dir import latest_checkpoint
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a checkpoint root (its latest complete checkpoint)."""
+    p = Path(path)
+    if (p / "trainer.json").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise FileNotFoundError(f"checkpoint.load: no complete checkpoint at or under {p}")
+    return latest
+
+
+def load_model_weights(trainer, path: str | Path) -> Path:
+    """Every rank: load this rank's model shards from the checkpoint at (or latest under) `path`."""
+    ckpt = resolve_checkpoint(path)
+    meta = read_trainer_meta(ckpt)
+    if meta["num_chunks"] != len(trainer.model):
+        raise ValueError(f"{ckpt}: {meta['num_chunks']} model chunk(s) saved, this run builds {len(trainer.model)}")
+    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(trainer.model)}
+    state = _dist_ckpt().load(sharded, str(ckpt / MODEL_OPTIM))
+    for i, chunk in enumerate(trainer.model):
+        chunk.load_state_dict(state[f"model{i}"])
+    return ckpt
