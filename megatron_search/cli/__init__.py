@@ -16,6 +16,7 @@ COMMANDS = [
     "index_cmd",
     "tokenizer_cmd",
     "sft_cmd",
+    "grpo_cmd",
     "rm_cmd",
     "eval_cmd",
 ]
