@@ -35,3 +35,16 @@ def test_one_hop_records_and_trajectories():
         assert call["tool_calls"][0]["function"]["arguments"]["query"].startswith(subject)
         assert subject in user["content"]
         assert tool_msg["content"].startswith("[1] ")
+
+
+def test_reading_drills_use_fresh_names():
+    from megatron_search.data.demo_tasks import reading_drills
+
+    world = build_world(seed=3, num_entities=80)
+    world_names = [e.name.lower() for e in world.entities.values()]
+    drills = reading_drills(world, 40, seed=1)
+    assert len(drills) == 40
+    for d in drills:
+        user, answer = d.messages[0]["content"], d.messages[1]["content"]
+        assert answer in user  # copied from the prompt
+        assert not any(n in user.lower() for n in world_names)  # teaches no world fact

@@ -70,3 +70,38 @@ def one_hop_sft_examples(records: list[QARecord], tool: SearchTool) -> tuple[lis
         examples.append(SFTExample(f"{rec.id}-sft", "tool_single", messages, [tool.spec],
                                    metadata={"qa_id": rec.id, "answers": rec.answers}))
     return examples, dropped
+
+
+def reading_drills(world: World, n: int, seed: int = 0) -> list[SFTExample]:
+    """Instruction-following examples that exercise the two skills the demo's search agent needs,
+    copying a name and reading the answer out of a passage, on freshly invented names that are not
+    in the world (so they teach no world fact):
+      "Repeat exactly: Zorblat Quenix"                       -> "Zorblat Quenix"
+      "<3 sentences stating facts> Which person wrote X?"   -> the person the passage names
+    A from-scratch tiny model learns copying far sooner from many short examples than from the
+    few copied tokens of the tool trajectories alone."""
+    import random
+
+    from .world import _Names
+    from .world_schema import RELATIONS
+
+    rng = random.Random(seed + 7919)
+    names = _Names(rng)
+    names.names.extend(e.name for e in world.entities.values())  # never reuse (or contain) a world name
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            etype = rng.choice(list(ENTITY_TYPES))
+            name = names.make(etype)
+            messages = [{"role": "user", "content": f"Repeat exactly: {name}"}, {"role": "assistant", "content": name}]
+        else:
+            facts = []
+            for rel in rng.sample(RELATIONS, 3):
+                s, o = names.make(rel.subj), names.make(rel.obj)
+                facts.append((rel, s, o, rng.choice(rel.templates).format(s=s, o=o)))
+            rel, s, o, _ = rng.choice(facts)
+            passage = " ".join(f[3] for f in facts)
+            question = f"Which {ENTITY_TYPES[rel.obj][0]} {rel.top_inv} {s}?"
+            messages = [{"role": "user", "content": f"{passage}\n\n{question}"}, {"role": "assistant", "content": o}]
+        out.append(SFTExample(f"drill-{seed}-{i}", "instruction", messages, []))
+    return out
