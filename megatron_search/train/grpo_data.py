@@ -1,9 +1,20 @@
-"""The GRPO prompt source: the 90/10 mix of RECIPE 4.3 over the configured datasets."""
+"""The GRPO prompt source: the 90/10 mix of RECIPE 4.3 over the configured datasets.
+
+Prompts get the production system prompt (the one SFT trajectories and evaluation use) unless the
+item brings its own system message, so RL samples the policy in the format it was warmed up on."""
 from __future__ import annotations
 
 from megatron_search.data.jsonl import read_jsonl
-from megatron_search.data.mix import MixSampler, qa_item, rubric_item
+from megatron_search.data.mix import MixItem, MixSampler, qa_item, rubric_item
 from megatron_search.data.records import QARecord
+from megatron_search.data.sft import SYSTEM_PROMPT
+
+
+def with_system_prompt(item: MixItem) -> MixItem:
+    if item.messages and item.messages[0].get("role") == "system":
+        return item
+    item.messages = [{"role": "system", "content": SYSTEM_PROMPT}, *item.messages]
+    return item
 
 
 def build_mix_sampler(cfg) -> MixSampler:
@@ -27,6 +38,6 @@ def build_mix_sampler(cfg) -> MixSampler:
             items = [rubric_item(r) for r in read_jsonl(d.rubric_path) if r.get("split", "train") == "train"]
         if not items:
             raise ValueError(f"data.{name}_path: no train items in {paths[name]}")
-        datasets[name] = items
+        datasets[name] = [with_system_prompt(it) for it in items]
     weights = {k: v for k, v in d.mix.items() if k in datasets}
     return MixSampler(datasets, weights, seed=d.seed)
