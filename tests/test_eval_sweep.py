@@ -63,13 +63,14 @@ def write_set(tmp_path):
     return p
 
 
-def cfg_for(concurrency=4):
-    return load_config(None, ["eval.max_new_tokens=256", f"rollout.concurrency={concurrency}", "eval.limit=0"])
+def cfg_for(concurrency=4, temperature=0.6):
+    return load_config(None, ["eval.max_new_tokens=256", f"rollout.concurrency={concurrency}", "eval.limit=0",
+                              f"eval.temperature={temperature}"])
 
 
-def run(tmp_path, tok, engine, out, variants=("budget",), budgets=(0, 1, 2), concurrency=4, **kw):
+def run(tmp_path, tok, engine, out, variants=("budget",), budgets=(0, 1, 2), concurrency=4, temperature=0.6, **kw):
     enc = ChatEncoder(tok, ChatFormat("qwen3"))
-    return evaluate(cfg_for(concurrency), {"policy": engine}, [BenchmarkSpec("records", str(write_set(tmp_path)), "test")],
+    return evaluate(cfg_for(concurrency, temperature), {"policy": engine}, [BenchmarkSpec("records", str(write_set(tmp_path)), "test")],
                     out, backend=LocalSearchBackend.from_docs(DOCS), encoder=enc, budgets=list(budgets),
                     variants=variants, language=False, progress=False, **kw)
 
@@ -141,3 +142,6 @@ def test_interrupted_run_resumes_without_reasking(tmp_path, tok):
     assert third.episodes == 0
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 12 and all(json.loads(l) for l in lines)
+    # results made under other settings are never mixed in
+    with pytest.raises(ValueError, match="setting temperature: 0.6 on file, 1.0 now"):
+        run(tmp_path, tok, ScriptedEngine(Policy(tok)), out, concurrency=1, temperature=1.0)

@@ -93,6 +93,33 @@ def _corpus_docs(cfg, index_dir: Optional[str], corpus: Optional[str]) -> list[d
                      "withhold evidence from")
 
 
+def _spec_text(spec: ModelSpec) -> str:
+    if isinstance(spec, Engine):
+        return f"{type(spec).__name__}:{getattr(spec, 'model_path', '')}"
+    return str(spec)
+
+
+def check_manifest(out: Path, models: dict[str, ModelSpec], settings: dict) -> None:
+    """Refuse to mix results made under different settings or by a different model under the same name.
+
+    <out>/run.json records each model name's spec and the settings that change results; a re-run
+    (resume) must match them, so a reused name never silently adds up answers of two checkpoints.
+    """
+    from megatron_search.data.jsonl import atomic_write_json
+
+    path = out / "run.json"
+    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"models": {}, "settings": settings}
+    problems = [f"setting {k}: {old['settings'].get(k)!r} on file, {v!r} now" for k, v in settings.items()
+                if old["settings"].get(k) != v]
+    specs = {name: _spec_text(spec) for name, spec in models.items()}
+    problems += [f"model {n!r}: {old['models'][n]!r} on file, {s!r} now" for n, s in specs.items()
+                 if n in old["models"] and old["models"][n] != s]
+    if problems:
+        raise ValueError(f"{out} holds results of a different run ({'; '.join(problems)}); use another --out "
+                         "directory or another model name")
+    atomic_write_json(path, {"models": {**old["models"], **specs}, "settings": settings})
+
+
 def load_sets(specs: Sequence[BenchmarkSpec], limit: int, seed: int) -> list[EvalExample]:
     examples: list[EvalExample] = []
     for s in specs:
@@ -137,6 +164,11 @@ def evaluate(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSp
     system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
     encoder = encoder or ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(cfg.model.chat_style))
     grader = grader or build_grader(ec)
+    check_manifest(out, models, {
+        "max_calls": ec.max_calls, "max_results": ec.max_results, "max_new_tokens": ec.max_new_tokens,
+        "temperature": ec.temperature, "seed": ec.seed, "grader": ec.grader, "judge_model": ec.judge_model,
+        "system_prompt": system_prompt, "chat_style": cfg.model.chat_style, "max_turns": cfg.rollout.max_turns,
+    })
     store = ResultStore(out / "results.jsonl")
     base_backend = _backend(cfg, index_dir, backend)
     tool = SearchTool(base_backend, ec.max_results, cfg.search.max_query_chars, ec.max_calls)
