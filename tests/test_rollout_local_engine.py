@@ -221,3 +221,19 @@ def test_shared_head_reused_at_block_boundary(engine):
     ref = plain_logprobs(engine.runner.model, ids, 1.0)[len(b) - 1:]
     assert torch.allclose(torch.tensor(res.output_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
     np.testing.assert_array_equal(res.routed_experts_NLK, plain_router_topk(engine.runner.model, ids, 2)[:-1])
+
+
+def test_top_p_keeps_the_nucleus_only():
+    from types import SimpleNamespace
+
+    from megatron_search.rollout.local import sample_tokens
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    a = SimpleNamespace(req=SimpleNamespace(sampling=SamplingParams(temperature=1.0, top_p=0.6)),
+                        generator=torch.Generator().manual_seed(0))
+    draws = [sample_tokens(logits, [a], original_logprob=False)[0] for _ in range(2000)]
+    counts = np.bincount([t for t, _ in draws], minlength=3)
+    assert counts[2] == 0  # outside the 0.6 nucleus {0, 1}
+    assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04  # renormalised inside the nucleus
+    # the reported logprob is of the full (temperature-scaled) distribution, not the truncated one
+    assert {round(lp, 5) for t, lp in draws if t == 0} == {round(float(np.log(0.5)), 5)}

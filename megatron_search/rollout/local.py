@@ -69,7 +69,7 @@ def sample_tokens(
         if sp.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             # keep the smallest head whose mass reaches top_p (the first token always stays)
-            drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= sp.top_p
+            drop = (torch.cumsum(sorted_p, 0) - sorted_p) > sp.top_p  # as SGLang's torch sampler
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             tok = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=a.generator)])
         else:
