@@ -36,7 +36,7 @@ def _batch():
 def _run(cfg, ctx, full: dict | None, micro_rows: int):
     from megatron_search.models import reshard
     from megatron_search.rm.scorer import forward_values
-    from megatron_search.rm.train import RMTrainer, _loss_fn
+    from megatron_search.rm.train import RMTrainer, _global_sums, _loss_fn
 
     trainer = RMTrainer(cfg, ctx, total_steps=1)
     saved = None
@@ -47,8 +47,11 @@ def _run(cfg, ctx, full: dict | None, micro_rows: int):
             reshard.load_full_state(chunk, full, chunk.config)
     batch = _batch()
     values = forward_values(trainer.model, batch, micro_rows)
-    m = trainer.step(trainer.dp_slice(batch), _loss_fn("pointwise", []), micro_rows)
-    return {"values": values.tolist(), "loss": m["loss"], "grad_norm": m["grad_norm"]}, saved
+    sink: list = []
+    m = trainer.step(trainer.dp_slice(batch), _loss_fn("pointwise", sink), micro_rows)
+    correct, margin, pairs = _global_sums(sink).tolist()  # the logged accuracy / margin, reduced over DP and PP
+    return {"values": values.tolist(), "loss": m["loss"], "grad_norm": m["grad_norm"], "correct": correct,
+            "margin_sum": margin, "pairs": pairs}, saved
 
 
 def reference_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -1,5 +1,6 @@
 """Reward model under the policy's layouts (2 gloo processes): TP=2 + sequence parallel, EP=2 and
-PP=2 give the 1-process last-token values, symmetric-BT loss and grad norm from the same weights."""
+PP=2 give the 1-process last-token values, symmetric-BT loss, grad norm and the logged accuracy /
+margin sums (reduced over DP and PP) from the same weights."""
 import json
 import sys
 from pathlib import Path
@@ -30,3 +31,5 @@ def test_rm_layout_matches_one_process(runs, layout):
         assert got["values"] == pytest.approx(ref["values"], abs=1e-5), (layout, got["values"], ref["values"])
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), layout
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), layout
+        assert got["pairs"] == ref["pairs"] == 4 and got["correct"] == ref["correct"], layout
+        assert got["margin_sum"] == pytest.approx(ref["margin_sum"], abs=1e-5), layout
