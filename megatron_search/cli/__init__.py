@@ -19,6 +19,7 @@ COMMANDS = [
     "grpo_cmd",
     "rm_cmd",
     "eval_cmd",
+    "convert_cmd",
 ]
 
 
