@@ -50,8 +50,9 @@ def test_broken_calls_abstention_and_curve():
     assert btc["calls"] == 5 and btc["count"]["malformed"] == 1
     assert btc["rate_per_call"]["over_budget"] == 0.2 and btc["broken_total_rate"] == pytest.approx(0.6)
     assert btc["episodes_with_broken"] == pytest.approx(2 / 3)
-    ab = abstention([row(grade="NOT_ATTEMPTED"), row(grade="INCORRECT"), row(grade="NOT_ATTEMPTED"), row(grade="CORRECT")])
-    assert (ab["abstention_rate"], ab["answered_wrong"], ab["answered_right"]) == (0.5, 0.25, 0.25)
+    ab = abstention([row(grade="NOT_ATTEMPTED", pred="I don't know"), row(grade="INCORRECT"),
+                     row(grade="NOT_ATTEMPTED", pred=None), row(grade="CORRECT")])
+    assert (ab["abstention_rate"], ab["no_answer"], ab["answered_wrong"], ab["answered_right"]) == (0.25, 0.25, 0.25, 0.25)
     curve = budget_curve(rows + [row(b=0, calls=0, grade="INCORRECT", t=(8, 4))])
     assert curve["m"]["demo"][1]["accuracy"] == pytest.approx(2 / 3)
     assert curve["m"]["demo"][1]["mean_tool_calls"] == pytest.approx(5 / 3)

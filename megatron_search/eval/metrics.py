@@ -3,8 +3,9 @@
 - budget curve: per (model, benchmark, b): accuracy (= fraction CORRECT), the SimpleQA summary,
   mean exact/substring/F1, mean tool calls, mean tokens in/out;
 - abstention: on the set whose evidence documents were withheld from the index
-  (`withhold_evidence`), the fraction of answers that decline (grade NOT_ATTEMPTED); higher is
-  better, and `answered_wrong` is the rest that still asserted something;
+  (`withhold_evidence`), the fraction of episodes whose final answer declines (grade
+  NOT_ATTEMPTED with an answer); higher is better; `no_answer` (no final answer at all) and
+  `answered_wrong` are reported beside it;
 - language mismatch: fraction of answers whose language (lingua) differs from the question's,
   among pairs where both languages are determined (texts shorter than eval.min_language_chars or
   below eval.language_min_confidence are undetermined and counted apart);
@@ -74,12 +75,17 @@ def tool_choice_none_rate(rows: Sequence[dict]) -> dict:
 
 
 def abstention(rows: Sequence[dict]) -> dict:
-    """Evidence-withheld episodes: declined (NOT_ATTEMPTED), answered wrong, and answered right anyway."""
+    """Evidence-withheld episodes: declined, no final answer at all, answered wrong, answered right anyway.
+
+    Only an answer that declines counts as abstention (grade NOT_ATTEMPTED with a final answer);
+    an episode that ended without one (length or turn limit) is `no_answer`, not a decline.
+    """
     n = len(rows)
-    grades = [r["grade"] for r in rows]
-    return {"episodes": n, "abstention_rate": _mean([float(g == "NOT_ATTEMPTED") for g in grades]),
-            "answered_wrong": _mean([float(g == "INCORRECT") for g in grades]),
-            "answered_right": _mean([float(g == "CORRECT") for g in grades])}
+    declined = [r["grade"] == "NOT_ATTEMPTED" and r["prediction"] is not None for r in rows]
+    return {"episodes": n, "abstention_rate": _mean([float(d) for d in declined]),
+            "no_answer": _mean([float(r["prediction"] is None) for r in rows]),
+            "answered_wrong": _mean([float(r["grade"] == "INCORRECT") for r in rows]),
+            "answered_right": _mean([float(r["grade"] == "CORRECT") for r in rows])}
 
 
 class LanguageID:

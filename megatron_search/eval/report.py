@@ -77,7 +77,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {model} | tool_choice=none episodes that called a tool | "
                              f"{_fmt(d['tool_choice_none']['episodes_calling'], True)}% |")
             if "abstention" in d:
-                lines.append(f"| {model} | abstention (evidence withheld) | {_fmt(d['abstention']['abstention_rate'], True)}% |")
+                ab = d["abstention"]
+                lines.append(f"| {model} | abstention (evidence withheld): declined | {_fmt(ab['abstention_rate'], True)}% |")
+                lines.append(f"| {model} | abstention (evidence withheld): no final answer | {_fmt(ab['no_answer'], True)}% |")
             if "language_mismatch" in d:
                 lm = d["language_mismatch"]
                 lines.append(f"| {model} | language mismatch ({lm['determined']} determined) | {_fmt(lm['mismatch_rate'], True)}% |")

@@ -187,6 +187,9 @@ def evaluate(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSp
     status = {}
 
     async def run_model(name: str, spec: ModelSpec) -> dict:
+        every = jobs_main + jobs_none + jobs_abst
+        if all(j.key(name) in store for j in every):  # nothing left to ask: do not even load the model
+            return {"done": 0, "skipped": len(every), "errors": []}
         engine, owned = open_engine(spec, cfg)
         try:
             st = await run_jobs(name, SearchAgent(engine, encoder, tool, settings), grader, jobs_main + jobs_none,
