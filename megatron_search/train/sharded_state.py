@@ -1,0 +1,176 @@
+"""Model + optimizer state as one Megatron distributed checkpoint (torch_dist format).
+
+    save_sharded(model_chunks, optimizer, directory)   # collective: every rank calls it
+    load_sharded(model_chunks, optimizer, directory)   # restores weights and optimizer in place
+    optimizer_parts(optimizer)                         # 2 when Megatron split dense / expert groups
+
+Chunks are stored as "model0", "model1", ... and the optimizer under "optimizer", each from its
+Megatron `sharded_state_dict`, so another TP/PP/EP/DP layout can load the result. Also holds the
+few workarounds Megatron-Core 0.16 needs here (each documented where it is applied): a
+synchronous in-process writer, the gloo gather of the distributed optimizer on CPU, and torch
+Adam's "step" around DistributedOptimizer loads without Transformer Engine / Apex.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+_DIST_CKPT_MODULES = (
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+
+# Optimizer state in a layout-independent form: the distributed optimizer saves per-parameter
+# tensors instead of its DP-specific flat buffers, so any TP/PP/EP/DP layout can load it; chained
+# optimizers (dense + expert groups) keep their keys unprefixed, as Megatron's own newer checkpoints.
+# On CPU the gather behind that format must run over the gloo DP group (the default path moves
+# tensors with .cuda()), which Megatron calls the memory-efficient variant.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def _optim_metadata() -> dict:
+    return {**OPTIM_METADATA, "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
+
+
+def _prime_fresh_distributed_optimizer(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer placeholder Adam state before a load.
+
+    Without Transformer Engine / Apex its state_dict() reads every parameter's torch-Adam "step",
+    which does not exist before the first step; the load then overwrites these placeholders.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                          step=torch.zeros((), dtype=torch.float32))
+
+
+def _load_keeping_torch_adam_step(optimizer) -> None:
+    """Let DistributedOptimizer.load_state_dict run with torch's Adam (no TE / Apex).
+
+    Its parameter-state loaders copy every key of the inner Adam state from the checkpoint but
+    deliberately leave out "step" (restored from the param groups just before), then fail on that
+    missing key. Per instance, "step" is set aside while each parameter's tensors are copied.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(opt):
+            continue
+        original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                original(opt, model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+
+
+def _unshare_torch_adam_steps(optimizer) -> None:
+    """DistributedOptimizer.load_state_dict hands every parameter the SAME "step" tensor; torch's Adam
+    increments each parameter's step in place, so a shared tensor would advance once per parameter
+    and corrupt the bias correction. Give each parameter its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for st in inner.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+
+def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
+    """{"model<i>": chunk sharded state, "optimizer": optimizer sharded state} (Megatron's layout)."""
+    model_sd = {}
+    for i, chunk in enumerate(model):
+        model_sd[f"model{i}"] = chunk.sharded_state_dict()
+    if is_loading:
+        _prime_fresh_distributed_optimizer(optimizer)
+    merged = {}
+    for sd in model_sd.values():
+        merged.update(sd)
+    out = dict(model_sd)
+    out["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_optim_metadata())
+    return out
+
+
+def _dist_ckpt():
+    import importlib
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_search.distributed import cpu_compat
+
+    # The save/load strategies are imported lazily by Megatron; load them now so the CPU compat
+    # layer (a no-op on GPU) also redirects their torch.cuda calls.
+    for name in _DIST_CKPT_MODULES:
+        importlib.import_module(name)
+    cpu_compat.rebind_new_modules()
+    return dist_checkpointing
+
+
+def _save_strategy():
+    """Megatron's torch_dist format written synchronously in this process.
+
+    Megatron's default torch_dist saver hands the write to forked worker processes and a spawned
+    multiprocessing Manager; on CPU under gloo those workers hung our saves, and extra processes
+    are a poor fit for a 2-core machine anyway. This strategy translates the sharded state dict
+    with Megatron's own helpers and planner and writes it with torch.distributed.checkpoint's
+    plain FileSystemWriter, so the result is the same torch_dist checkpoint Megatron loads.
+    """
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed import checkpoint as dcp
+
+    class SyncTorchDistSave(SaveShardedStrategy):
+        @property
+        def can_handle_sharded_objects(self) -> bool:
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir) -> None:
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+            pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
+            dcp.save(pyt_state_dict, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def optimizer_parts(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def save_sharded(model: list, optimizer, directory: Path) -> None:
+    """Every rank: write the sharded model + optimizer state into `directory` (it must exist)."""
+    _dist_ckpt().save(_sharded_state(model, optimizer, is_loading=False), str(directory),
+                      sharded_strategy=_save_strategy())
+
+
+def load_sharded(model: list, optimizer, directory: Path) -> None:
+    """Every rank: load weights and optimizer state saved by `save_sharded` (any layout) in place."""
+    state = _dist_ckpt().load(_sharded_state(model, optimizer, is_loading=True), str(directory))
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(state[f"model{i}"])
+    _load_keeping_torch_adam_step(optimizer)
+    optimizer.load_state_dict(state["optimizer"])
+    _unshare_torch_adam_steps(optimizer)
