@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import MODEL_OPTIM, _dist_ckpt, read_trainer_meta
+from .checkpoint import MODEL_OPTIM, read_trainer_meta
 from .checkpoint_dir import latest_checkpoint
+from .sharded_state import load_model
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -28,8 +29,5 @@ def load_model_weights(trainer, path: str | Path) -> Path:
     meta = read_trainer_meta(ckpt)
     if meta["num_chunks"] != len(trainer.model):
         raise ValueError(f"{ckpt}: {meta['num_chunks']} model chunk(s) saved, this run builds {len(trainer.model)}")
-    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(trainer.model)}
-    state = _dist_ckpt().load(sharded, str(ckpt / MODEL_OPTIM))
-    for i, chunk in enumerate(trainer.model):
-        chunk.load_state_dict(state[f"model{i}"])
+    load_model(trainer.model, ckpt / MODEL_OPTIM)
     return ckpt
