@@ -29,6 +29,9 @@ API (kept stable for train/sft.py and train/grpo.py):
 - `load(path) -> extra` / `resume() -> extra`: restore all of it (resume: from the latest
   checkpoint under the checkpoint root when cfg.checkpoint.resume, else {}).
 - `should_save()`: iteration is a multiple of cfg.checkpoint.save_interval.
+- `apply_lr() -> lr`: set the LR of the current iteration (for loops that call the optimizer
+  themselves, e.g. several GRPO updates per batch; `step` calls it).
+- Weights only from a checkpoint: `train/sharded_state.load_model(trainer.model, ckpt / "model_optim")`.
 """
 from __future__ import annotations
 
@@ -81,6 +84,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
 
+    def apply_lr(self) -> float:
+        """Set the optimizer's LR for the step about to run (`iteration`) and return it.
+
+        `step` does this itself; loops that drive the optimizer on their own (several updates per
+        batch) call it before their updates."""
+        lr = self.current_lr
+        self._set_lr(lr)
+        return lr
+
     def dp_slice(self, global_batch: Batch) -> Batch:
         """This data-parallel rank's contiguous share of a global batch."""
         return data_parallel_slice(global_batch)
@@ -96,8 +108,7 @@ class Trainer:
     def step(self, batch: Batch, loss_fn: Callable = token_mean_ce, micro_batch_size: Optional[int] = None) -> dict:
         """One optimizer step on this DP rank's `batch`; returns global metrics (same on every rank)."""
         mbs = micro_batch_size or self.cfg.sft.micro_batch_size
-        lr = self.current_lr
-        self._set_lr(lr)
+        lr = self.apply_lr()
         t0 = time.perf_counter()
         loss, grad_norm = train_step(self.ddp, self.optimizer, batch, mbs, loss_fn)
         tokens = self._global_loss_tokens(batch)

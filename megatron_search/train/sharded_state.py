@@ -2,6 +2,7 @@
 
     save_sharded(model_chunks, optimizer, directory)   # collective: every rank calls it
     load_sharded(model_chunks, optimizer, directory)   # restores weights and optimizer in place
+    load_model(model_chunks, directory)                # weights only (start a new run from them)
     optimizer_parts(optimizer)                         # 2 when Megatron split dense / expert groups
 
 Chunks are stored as "model0", "model1", ... and the optimizer under "optimizer", each from its
@@ -174,3 +175,11 @@ def load_sharded(model: list, optimizer, directory: Path) -> None:
     _load_keeping_torch_adam_step(optimizer)
     optimizer.load_state_dict(state["optimizer"])
     _unshare_torch_adam_steps(optimizer)
+
+
+def load_model(model: list, directory: Path) -> None:
+    """Every rank: load only the weights saved by `save_sharded` (any layout) into the chunks."""
+    state = _dist_ckpt().load({f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)},
+                              str(directory))
+    for i, chunk in enumerate(model):
+        chunk.load_state_dict(state[f"model{i}"])
