@@ -127,6 +127,7 @@ def plot(curve: dict, out_dir: Path) -> list[Path]:
             ax.set_title(bench)
             ax.set_xlabel("tool budget b" if kind == "budget" else "cents per query (list price, no caching)")
             ax.set_ylabel("accuracy (%)")
+            ax.set_ylim(-2, 102)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
