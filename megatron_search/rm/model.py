@@ -133,6 +133,20 @@ def _is_megatron_checkpoint(path: Path) -> bool:
     return (path / "trainer.json").is_file() or (path / "latest").is_file()
 
 
+class _BackboneView:
+    """A reward model seen as the policy it was built from: the policy checkpoint's keys, no head."""
+
+    def __init__(self, rm: RewardModel):
+        self.rm = rm
+
+    def sharded_state_dict(self):
+        return self.rm.backbone_sharded_state_dict()
+
+    def load_state_dict(self, state_dict):
+        # strict=False: the policy's LM head is the one tensor the reward model does not hold
+        return self.rm.backbone.load_state_dict(state_dict, strict=False)
+
+
 def init_from_policy(chunks: list, cfg, path: str | Path, groups) -> str:
     """Load the policy's weights into the backbones (the value head keeps its fresh init).
 
@@ -142,26 +156,22 @@ def init_from_policy(chunks: list, cfg, path: str | Path, groups) -> str:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"rm.init_from: {path} does not exist")
-    backbones = [c.backbone for c in chunks]
     if _is_megatron_checkpoint(path):
-        from megatron_search.train.checkpoint import _dist_ckpt, read_trainer_meta
-        from megatron_search.train.checkpoint_dir import latest_checkpoint
+        from megatron_search.train.checkpoint import MODEL_OPTIM, read_trainer_meta
+        from megatron_search.train.init_weights import resolve_checkpoint
+        from megatron_search.train.sharded_state import load_model
 
-        ckpt = path if (path / "trainer.json").is_file() else latest_checkpoint(path)
-        if ckpt is None:
-            raise FileNotFoundError(f"rm.init_from: no complete checkpoint under {path}")
+        ckpt = resolve_checkpoint(path)
         read_trainer_meta(ckpt)
-        request = {f"model{i}": c.backbone_sharded_state_dict() for i, c in enumerate(chunks)}
-        state = _dist_ckpt().load(request, str(ckpt / "model_optim"))
-        for i, b in enumerate(backbones):
-            b.load_state_dict(state[f"model{i}"], strict=False)  # output_layer: replaced by the value head
+        load_model([_BackboneView(c) for c in chunks], ckpt / MODEL_OPTIM)
         return f"Megatron checkpoint {ckpt}"
     if any(path.glob("*.safetensors")):
         from megatron_search.weights.hf_source import HFTensorSource
         from megatron_search.weights.load import load_hf_into_model
 
         # strict=False: the HF lm_head is the one tensor the reward model does not use.
-        load_hf_into_model(backbones, cfg.model.architecture, HFTensorSource.from_dir(path), groups, strict=False)
+        load_hf_into_model([c.backbone for c in chunks], cfg.model.architecture, HFTensorSource.from_dir(path), groups,
+                           strict=False)
         return f"HF checkpoint {path}"
     raise ValueError(f"rm.init_from: {path} is neither a Megatron checkpoint (trainer.json / latest) nor a "
                      "directory of *.safetensors")

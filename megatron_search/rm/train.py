@@ -56,13 +56,14 @@ def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) 
 
     `kind`: the scorer kind the caller will use; a checkpoint trained as the other kind is an error
     (a pointwise head read as a pairwise Delta, or vice versa, gives meaningless scores)."""
-    from megatron_search.train.checkpoint import _dist_ckpt, read_trainer_meta
-    from megatron_search.train.checkpoint_dir import latest_checkpoint
+    from megatron_search.train.checkpoint import MODEL_OPTIM, read_trainer_meta
+    from megatron_search.train.init_weights import resolve_checkpoint
+    from megatron_search.train.sharded_state import load_model
 
-    path = Path(path)
-    ckpt = path if (path / "trainer.json").is_file() else latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"rm.load: no complete RM checkpoint at or under {path}")
+    try:
+        ckpt = resolve_checkpoint(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"rm.load: no complete RM checkpoint at or under {path}") from None
     meta = read_trainer_meta(ckpt)
     trained = meta.get("extra", {}).get("kind")
     if kind is not None and trained is not None and trained != kind:
@@ -70,10 +71,7 @@ def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) 
                          f"set reward.scorer={trained}")
     if meta["num_chunks"] != len(chunks):
         raise ValueError(f"rm.load: {ckpt} has {meta['num_chunks']} model chunk(s), this layout builds {len(chunks)}")
-    state = _dist_ckpt().load({f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)},
-                              str(ckpt / "model_optim"))
-    for i, c in enumerate(chunks):
-        c.load_state_dict(state[f"model{i}"])
+    load_model(chunks, ckpt / MODEL_OPTIM)
     return ckpt
 
 
