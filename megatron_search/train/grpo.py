@@ -67,10 +67,12 @@ class GRPORun:
 
     def _build_driver(self, extra: dict) -> None:
         from .grpo_data import build_mix_sampler
-        from .grpo_driver import RolloutDriver, build_engines
+        from megatron_search.rollout.launch import start_engines
+
+        from .grpo_driver import RolloutDriver
 
         self.out.mkdir(parents=True, exist_ok=True)
-        engines, servers = build_engines(self.cfg, self.out)
+        engines = start_engines(self.cfg, self.out / "engines")
         reference = None
         if not self.cfg.grpo.reference_urls:
             from megatron_search.rollout.local import LocalEngine
@@ -80,7 +82,7 @@ class GRPORun:
             from megatron_search.rollout.sglang import SGLangClient
 
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
-        self.driver = RolloutDriver(self.cfg, self.out, engines, reference, servers)
+        self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
         self.sampler = build_mix_sampler(self.cfg)
         if "sampler" in extra:
             self.sampler.load_state_dict(extra["sampler"])

@@ -4,9 +4,10 @@ The driver owns everything that talks to rollout engines. It runs on the first t
 (the other ranks wait for the packed batch), with one asyncio loop for its lifetime so the
 in-process CPU engine's scheduler and the HTTP clients live on one loop.
 
-Engines (rollout section): `engine_urls` -> HTTP clients (SGLang servers or local engine
-servers, same API); else `engine: local` -> the in-process CPU engine; else `engine: sglang`
--> launch `num_engines` SGLang servers. Rollouts are spread over engines round-robin by task.
+Engines come from rollout/launch.py's `start_engines` (attach to `engine_urls`, or start local CPU
+engine servers or SGLang servers, optionally behind sglang-router): every one is an HTTP client of
+the same API. Rollouts are spread over the generation endpoints round-robin by task; weight
+updates go to every server.
 
 Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
 same prompt) come from a frozen reference engine holding the initial policy, generated once per
@@ -37,25 +38,6 @@ def build_encoder(cfg) -> ChatEncoder:
     return ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(style=cfg.model.chat_style))
 
 
-def build_engines(cfg, output_dir: Path) -> tuple[list[Engine], list]:
-    """(engines, server processes to stop at the end)."""
-    from megatron_search.rollout.sglang import SGLangClient, launch_sglang_servers
-
-    r = cfg.rollout
-    timeout = r.sglang.request_timeout_s
-    if r.engine_urls:
-        return [SGLangClient(u, timeout_s=timeout, tp_size=r.sglang.tp) for u in r.engine_urls], []
-    if r.engine == "local":
-        from megatron_search.rollout.local import LocalEngine
-
-        if r.num_engines != 1:
-            raise ValueError("rollout.num_engines: the in-process CPU engine runs once; start local engine "
-                             "servers and list them in rollout.engine_urls for more")
-        return [LocalEngine.from_config(cfg)], []
-    servers = launch_sglang_servers(cfg, output_dir / r.sglang.log_dir)
-    return [SGLangClient(s.url, timeout_s=timeout, tp_size=r.sglang.tp) for s in servers], servers
-
-
 @dataclass
 class Collected:
     """Rollouts of one step, flattened group by group (group ids contiguous from 0)."""
@@ -67,19 +49,18 @@ class Collected:
 
 
 class RolloutDriver:
-    def __init__(self, cfg, output_dir: Path, engines: list[Engine], reference: Optional[Engine],
-                 servers: Sequence = ()):
+    def __init__(self, cfg, output_dir: Path, engines, reference: Optional[Engine]):
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
         self.encoder = build_encoder(cfg)
         self.tool = SearchTool.from_config(cfg.search)
         settings = AgentSettings.for_training(cfg)
-        self.engines = engines
-        self.agents = [SearchAgent(e, self.encoder, self.tool, settings) for e in engines]
+        self.rollout_engines = engines  # rollout.launch.RolloutEngines
+        self.engines = list(engines.clients)
+        self.agents = [SearchAgent(e, self.encoder, self.tool, settings) for e in engines.for_generation()]
         self.reference = None if reference is None else SearchAgent(
             reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
         self.reference_engine = reference
-        self.servers = list(servers)
         from megatron_search.rm.service import ReferenceCache
 
         self.references = ReferenceCache(output_dir / "reference_answers.jsonl", self._generate_references)
@@ -166,11 +147,10 @@ class RolloutDriver:
         return sent
 
     def close(self) -> None:
-        for e in list(self.engines) + ([self.reference_engine] if self.reference_engine else []):
-            try:
-                self.run(e.close())
-            except Exception:  # closing is best effort; the process is ending
-                pass
-        for s in self.servers:
-            s.stop()
-        self.loop.close()
+        try:
+            self.run(self.rollout_engines.aclose())
+            if self.reference_engine is not None:
+                self.run(self.reference_engine.close())
+        finally:
+            self.rollout_engines.stop_servers()
+            self.loop.close()
