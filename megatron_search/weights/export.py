@@ -3,14 +3,14 @@
 Collective: every rank of the training world calls it and iterates to the end. Each rank first
 publishes what it holds (global name, TP coordinates, shape, dtype); from that all ranks derive
 the same plan: the order of parameters (HF layer order), which rank sends which shard, and where
-buckets end. Then, parameter by parameter, the owners of the shards (lowest global rank holding
-each TP shard: one data-parallel replica, the EP rank that owns the expert, the PP stage that
-owns the layer) send them point-to-point to `dst_rank`, which reassembles the full tensor with
-the table's TP layout and converts it to HF names. Buckets are yielded on every rank in the same
+buckets end. Then, bucket by bucket, the owners of the shards (lowest global rank holding each
+TP shard: one data-parallel replica, the EP rank that owns the expert, the PP stage that owns
+the layer) send them point-to-point to `dst_rank`, one packed message per owner and bucket;
+dst reassembles each full tensor with the table's TP layout and converts it to HF names. Buckets are yielded on every rank in the same
 sequence (empty on ranks other than `dst_rank`) so callers can keep collectives in step.
 
-Peak extra memory on `dst_rank` is about one bucket plus one full parameter being assembled;
-other ranks hold nothing extra beyond the shard being sent.
+Peak extra memory on `dst_rank` is about two buckets (received shards + the HF tensors being
+yielded); a sending rank holds one packed copy of its share of a bucket.
 """
 from __future__ import annotations
 
@@ -147,30 +147,42 @@ class HFExporter:
         return sum(e.hf_bytes(self.out_dtype) for e in self.entries)
 
     # ---- data movement ------------------------------------------------------------------------
-    def _full_tensor(self, e: PlanEntry) -> Optional[torch.Tensor]:
-        """Assemble the full Megatron tensor on dst (None elsewhere); owners send their shards."""
-        if self.rank == self.dst_rank:
-            shards = []
-            for owner, shape in zip(e.owners, e.shard_shapes):
-                if owner == self.rank:
-                    shards.append(self.local[e.name].tensor.detach())
-                else:
-                    buf = torch.empty(shape, dtype=e.dtype)
-                    dist.recv(buf, src=owner, group=self.world_group)
-                    shards.append(buf)
-            return e.match.rule.tp.gather(shards, self.mapping.ctx)
-        for owner in e.owners:
-            if owner == self.rank:
-                dist.send(self.local[e.name].tensor.detach().contiguous(), dst=self.dst_rank, group=self.world_group)
-        return None
+    def _remote_shards(self, plan: list[PlanEntry]) -> dict[tuple[str, int], torch.Tensor]:
+        """Move one bucket's remote shards: each owner packs its shards into one byte buffer and
+        sends it in a single message (few large messages instead of one per expert slice).
+        Returns {(name, shard index): shard} on dst, {} elsewhere."""
+        want: dict[int, list[tuple[PlanEntry, int]]] = {}
+        for e in plan:
+            for i, owner in enumerate(e.owners):
+                if owner != self.dst_rank:
+                    want.setdefault(owner, []).append((e, i))
+        got: dict[tuple[str, int], torch.Tensor] = {}
+        for owner in sorted(want):
+            items = want[owner]
+            if self.rank == owner:
+                flat = [self.local[e.name].tensor.detach().contiguous().reshape(-1).view(torch.uint8) for e, _ in items]
+                dist.send(torch.cat(flat), dst=self.dst_rank, group=self.world_group)
+            elif self.rank == self.dst_rank:
+                sizes = [_numel(e.shard_shapes[i]) * e.dtype.itemsize for e, i in items]
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.recv(buf, src=owner, group=self.world_group)
+                for (e, i), part in zip(items, torch.split(buf, sizes)):
+                    if part.storage_offset() % e.dtype.itemsize:  # mixed dtypes: realign before the view
+                        part = part.clone()
+                    got[(e.name, i)] = part.view(e.dtype).reshape(e.shard_shapes[i])
+        return got
 
     def __iter__(self) -> Iterator[Bucket]:
         for plan in self.buckets:
+            remote = self._remote_shards(plan)
             bucket: Bucket = []
+            if self.rank != self.dst_rank:
+                yield bucket
+                continue
             for e in plan:
-                full = self._full_tensor(e)
-                if full is None:
-                    continue
+                shards = [self.local[e.name].tensor.detach() if owner == self.rank else remote.pop((e.name, i))
+                          for i, owner in enumerate(e.owners)]
+                full = e.match.rule.tp.gather(shards, self.mapping.ctx)
                 for name, t in self.mapping.to_hf(e.match, full, e.zero_centered):
                     if self.out_dtype is not None and t.dtype != self.out_dtype:
                         t = t.to(self.out_dtype)

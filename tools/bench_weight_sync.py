@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Weight-sync throughput on CPU: export (TP=2 gather to rank 0) and export + delivery into a local engine.
+
+A Qwen3-MoE model of about `--gb` GB (fp32, random weights) is built at TP=2 on 2 gloo processes.
+Measured in the same run, on the same bytes:
+  memcpy      torch copy of every HF tensor's bytes (2 threads) - the machine's ceiling
+  gloo p2p    raw send/recv of the bytes rank 1 must ship, in bucket-sized messages
+  export      HFExporter: plan, shard transfer, reassembly, HF layout (per bucket size)
+  +delivery   the same, pushed into a LocalEngine on rank 0 with update_weights_from_tensor
+              (load by HF name into a transformers model; the colocated path)
+and the peak extra resident memory on rank 0 during export, next to the bucket size.
+The ratio export / memcpy is the figure of merit; on these CPUs gloo bounds it (FACTS.md).
+
+    python tools/bench_weight_sync.py [--gb 1.0] [--buckets-mb 64,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def model_config(gb: float) -> dict:
+    """A Qwen3-MoE config.json of about `gb` GB in fp32 (layer count scales)."""
+    hidden, vocab, experts, inter = 1024, 8192, 16, 512
+    per_layer = experts * 3 * hidden * inter + 2 * hidden * hidden + 2 * 512 * hidden + experts * hidden
+    fixed = 2 * vocab * hidden
+    layers = max(2, round((gb * 1e9 / 4 - fixed) / per_layer))
+    layers += layers % 2
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": 2048, "num_hidden_layers": layers, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+        "attention_bias": False, "moe_intermediate_size": inter, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }
+
+
+class PeakRSS:
+    """Samples this process's resident memory in a thread; `peak - base` is the extra memory."""
+
+    def __init__(self, every_s: float = 0.005):
+        import psutil
+
+        self.proc, self.every = psutil.Process(), every_s
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.every)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    @property
+    def extra_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def _rank(model_dir: str, buckets_mb: list[int], repeats: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_search.config.loader import load_config
+    from megatron_search.distributed.init import init_distributed
+    from megatron_search.models.provider import build_model_chunks
+    from megatron_search.weights.export import HFExporter
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [f"model.hf_config={model_dir}", "parallel.tp=2", "parallel.etp=2",
+                             "parallel.sequence_parallel=true", "parallel.world_size=2"])
+    ctx = init_distributed(cfg)
+    arch = cfg.model.architecture
+    chunks = build_model_chunks(cfg)
+    rank = dist.get_rank()
+    out: dict = {"rows": []}
+    probe = HFExporter(chunks, arch, ctx.groups, max(buckets_mb) << 20)
+    total = probe.total_bytes
+    sent = sum(p.tensor.numel() * p.tensor.element_size() for p in probe.local.values()
+               if p.tp_size > 1) if rank == 1 else 0
+    sent_t = torch.tensor([sent], dtype=torch.int64)
+    dist.broadcast(sent_t, src=1)
+    sent = int(sent_t)
+    out.update(total_bytes=total, shipped_bytes=sent)
+
+    # Raw gloo p2p of the bytes rank 1 ships, in 64 MB messages.
+    msg = torch.empty(64 << 20, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    left = sent
+    while left > 0:
+        n = min(left, msg.numel())
+        (dist.send if rank == 1 else dist.recv)(msg[:n], 1 - rank)
+        left -= n
+    dist.barrier()
+    out["gloo_s"] = time.perf_counter() - t0
+
+    engine = loop = None
+    if rank == 0:
+        import asyncio
+
+        from megatron_search.rollout.local import LocalEngine
+
+        # memcpy of the same bytes (2 threads), median of 3.
+        torch.set_num_threads(2)
+        src = torch.empty(total // 4, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        out["memcpy_s"] = sorted(times)[1]
+        del src, dst
+        torch.set_num_threads(1)
+        engine = LocalEngine(model_dir)
+        loop = asyncio.new_event_loop()
+    for mb in buckets_mb:
+        for deliver in (False, True):
+            best, peak = None, 0.0
+            for _ in range(repeats):
+                dist.barrier()
+                exporter = HFExporter(chunks, arch, ctx.groups, mb << 20)
+                with PeakRSS() as mem:
+                    t0 = time.perf_counter()
+                    for bucket in exporter:
+                        if deliver and rank == 0:
+                            loop.run_until_complete(engine.update_weights_from_tensor(bucket))
+                        del bucket
+                    dt = time.perf_counter() - t0
+                dist.barrier()
+                best = dt if best is None else min(best, dt)
+                peak = max(peak, mem.extra_mb)
+            out["rows"].append({"bucket_mb": mb, "delivery": deliver, "s": best, "extra_mb": peak,
+                                "buckets": len(exporter.buckets)})
+    if loop is not None:
+        loop.run_until_complete(engine.close())
+    ctx.teardown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gb", type=float, default=1.0, help="model size in GB (fp32)")
+    ap.add_argument("--buckets-mb", default="64,256")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from megatron_search.weights.launch import run_ranks
+
+    buckets = [int(x) for x in args.buckets_mb.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(model_config(args.gb)))
+        res = run_ranks(_rank, 2, tmp, buckets, args.repeats)[0]
+    total = res["total_bytes"]
+    gb = total / 1e9
+    memcpy = gb / res["memcpy_s"]
+    gloo = res["shipped_bytes"] / 1e9 / res["gloo_s"]
+    print(f"model: {gb:.2f} GB of HF tensors (fp32), TP=2 on 2 gloo processes; rank 1 ships "
+          f"{res['shipped_bytes'] / 1e9:.2f} GB")
+    print(f"memcpy      {memcpy:8.2f} GB/s   (torch copy of {gb:.2f} GB, 2 threads)")
+    print(f"gloo p2p    {gloo:8.2f} GB/s   (raw send/recv of the {res['shipped_bytes'] / 1e9:.2f} GB rank 1 ships)")
+    print(f"{'bucket MB':>9} {'path':>18} {'buckets':>7} {'s':>7} {'GB/s':>7} {'/memcpy':>8} {'/gloo*':>7} "
+          f"{'peak extra MB':>13}")
+    for r in res["rows"]:
+        rate = gb / r["s"]
+        path = "export+tensor" if r["delivery"] else "export"
+        print(f"{r['bucket_mb']:>9} {path:>18} {r['buckets']:>7} {r['s']:>7.2f} {rate:>7.2f} {rate / memcpy:>8.3f} "
+              f"{rate / (gloo * total / max(res['shipped_bytes'], 1)):>7.3f} {r['extra_mb']:>13.0f}")
+    print("/gloo*: against the time raw gloo needs for the shipped bytes, expressed per exported byte.")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
