@@ -91,3 +91,33 @@ def test_sbs_pairs_and_metric():
 def test_eval_config_defaults_are_recipe_8():
     e = load_config(None, []).eval
     assert (e.max_calls, e.max_results, e.max_new_tokens, e.temperature, e.budgets) == (5, 10, 8192, 0.6, list(range(11)))
+
+
+def test_report_sbs_pairs_file_and_scorer(tmp_path):
+    from megatron_search.eval.results import ResultStore
+    from megatron_search.eval.run import make_report
+
+    store = ResultStore(tmp_path / "results.jsonl")
+    for r in [row(model="cand", b=2, i="a", pred="A1"), row(model="cand", b=2, i="b", pred="B1", grade="INCORRECT"),
+              row(model="base", b=2, i="a", pred="A0"), row(model="base", b=2, i="b", pred="B0")]:
+        store.add(r)
+    cfg = load_config(None, [])
+    rep = make_report(cfg, store, tmp_path, ["cand", "base"], ["budget"], {"cand": "gpt-5"}, "base", None, 2,
+                      language=False, tensorboard=False)
+    pairs = [__import__("json").loads(l) for l in open(rep["deployment"]["cand"]["sbs_pairs"])]
+    assert [(p["candidate"], p["baseline"]) for p in pairs] == [("A1", "A0"), ("B1", "B0")]
+    assert "sbs_pairs" not in rep["deployment"]["base"]
+    assert rep["budget_curve"]["cand"]["demo"][2]["accuracy"] == 0.5
+    assert rep["budget_curve"]["base"]["demo"][2]["cents_per_query"] is None  # no price row for base
+
+    class Scorer:
+        def p_bar(self, ctx, cand, base):
+            return torch.tensor([0.75] * len(cand))
+
+    rep = make_report(cfg, store, tmp_path, ["cand", "base"], ["budget"], {}, "base", Scorer(), 2,
+                      language=False, tensorboard=False)
+    assert rep["deployment"]["cand"]["sbs"]["sbs"] == 0.75 and rep["deployment"]["cand"]["sbs"]["baseline"] == "base"
+    assert "| cand | sbs vs base | 0.750 |" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match="no row"):
+        make_report(cfg, store, tmp_path, ["cand"], ["budget"], {"cand": "gpt-99"}, None, None, None,
+                    language=False, tensorboard=False)
