@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-mb", type=int, default=4096)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="key.sub=value",
+                   help="config override (repeatable)")
     p.set_defaults(func=run)
 
 
