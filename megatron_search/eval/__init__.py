@@ -5,6 +5,6 @@ Entry points: `evaluate(cfg, models, benchmarks, out_dir, ...)` (run.py) and `me
 from __future__ import annotations
 
 from .benchmarks import KINDS, EvalExample, load_benchmark, subsample
-from .run import BenchmarkSpec, evaluate, make_report
+from .run import BenchmarkSpec, evaluate, evaluate_async, make_report
 
-__all__ = ["KINDS", "BenchmarkSpec", "EvalExample", "evaluate", "load_benchmark", "make_report", "subsample"]
+__all__ = ["KINDS", "BenchmarkSpec", "EvalExample", "evaluate", "evaluate_async", "load_benchmark", "make_report", "subsample"]

@@ -131,7 +131,12 @@ def load_sets(specs: Sequence[BenchmarkSpec], limit: int, seed: int) -> list[Eva
     return examples
 
 
-def evaluate(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSpec], out_dir: str | Path, *,
+def evaluate(*args, **kwargs) -> dict:
+    """Synchronous `evaluate_async` (its own event loop); from inside a running loop await `evaluate_async`."""
+    return asyncio.run(evaluate_async(*args, **kwargs))
+
+
+async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSpec], out_dir: str | Path, *,
              index_dir: Optional[str] = None, backend: Optional[SearchBackend] = None, corpus: Optional[str] = None,
              budgets: Optional[Sequence[int]] = None, limit: Optional[int] = None,
              variants: Sequence[str] = ("budget",), encoder=None, grader=None,
@@ -212,7 +217,7 @@ def evaluate(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSp
             if client is not None:
                 await client.close()
 
-    asyncio.run(run_all())
+    await run_all()
     return make_report(cfg, store, out, list(models), variants, prices or {}, sbs_baseline, sbs_scorer,
                        sbs_budget if sbs_budget is not None else (max(budgets) if budgets else None),
                        language, tensorboard, status)
