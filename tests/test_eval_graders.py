@@ -102,3 +102,45 @@ def test_simpleqa_summary_by_hand():
     assert simpleqa_summary(["NOT_ATTEMPTED"])["f1"] == 0.0
     with pytest.raises(ValueError, match="unknown grade"):
         simpleqa_summary(["RIGHT"])
+
+
+def test_judge_over_http_with_the_openai_compatible_client():
+    """build_grader(eval.grader=llm) -> LLMClient -> a scripted /v1/chat/completions server."""
+    from aiohttp import web
+
+    from megatron_search.config import load_config
+    from megatron_search.eval.graders import build_grader
+
+    replies = ["Grade: CORRECT", "I cannot decide.", "Decision: FALSE"]
+    seen = []
+
+    async def handler(request):
+        body = await request.json()
+        seen.append(body)
+        return web.json_response({"choices": [{"message": {"content": replies[len(seen) - 1]},
+                                               "finish_reason": "stop"}]})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            cfg = load_config(None, ["eval.grader=llm", f"eval.judge_base_url=http://127.0.0.1:{port}",
+                                     "eval.judge_model=judge-x"])
+            g = build_grader(cfg.eval)
+            out = [await g.grade("simpleqa", "Who?", ["Ivo Brand"], "Ivo Brand"),
+                   await g.grade("facts", "Who?", ["Ivo Brand"], "Orrin"),
+                   await g.grade("frames", "Who?", ["Ivo Brand"], "Orrin")]
+            await g.client.close()
+            return out
+        finally:
+            await runner.cleanup()
+
+    out = asyncio.run(main())
+    assert [(o.grade, o.judge_malformed) for o in out] == [("CORRECT", False), ("INCORRECT", True), ("INCORRECT", False)]
+    assert [b["model"] for b in seen] == ["judge-x"] * 3 and all(b["temperature"] == 0.0 for b in seen)
+    assert "Decision: TRUE" in seen[2]["messages"][0]["content"]  # the FRAMES prompt for the frames set

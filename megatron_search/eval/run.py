@@ -137,18 +137,18 @@ def evaluate(*args, **kwargs) -> dict:
 
 
 async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence[BenchmarkSpec], out_dir: str | Path, *,
-             index_dir: Optional[str] = None, backend: Optional[SearchBackend] = None, corpus: Optional[str] = None,
-             budgets: Optional[Sequence[int]] = None, limit: Optional[int] = None,
-             variants: Sequence[str] = ("budget",), encoder=None, grader=None,
-             system_prompt: Optional[str] = None, prices: Optional[dict[str, str]] = None,
-             sbs_baseline: Optional[str] = None, sbs_scorer=None, sbs_budget: Optional[int] = None,
-             language: bool = True, tensorboard: bool = True, progress: bool = True) -> dict:
+                         index_dir: Optional[str] = None, backend: Optional[SearchBackend] = None, corpus: Optional[str] = None,
+                         budgets: Optional[Sequence[int]] = None, limit: Optional[int] = None,
+                         variants: Sequence[str] = ("budget",), encoder=None, grader=None,
+                         system_prompt: Optional[str] = None, prices: Optional[dict[str, str]] = None,
+                         sbs_baseline: Optional[str] = None, sbs_scorer=None, sbs_budget: Optional[int] = None,
+                         language: bool = True, tensorboard: bool = True, progress: bool = True) -> dict:
     """Run (or resume) the eval and write the report; returns the report dict (see module docstring).
 
     variants: any of "budget" (the b sweep), "abstention", "tool_choice_none". prices: model name ->
     row of the price table (eval.prices). sbs: with `sbs_scorer` (an rm RMScorer) and `sbs_baseline`
     (one of `models`), each other model's answers at b = `sbs_budget` (default: the largest b) are
-    compared with the baseline's; without a scorer the pairs are written to sbs_<model>.jsonl for
+    compared with the baseline's; without a scorer the pairs are written to sbs_<model>_vs_<baseline>.jsonl for
     `megatron-search rm eval --sbs`.
     """
     from megatron_search.data.sft import SYSTEM_PROMPT
@@ -168,6 +168,7 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     write_examples(out / "examples.jsonl", examples)
     system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
     encoder = encoder or ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(cfg.model.chat_style))
+    own_grader = grader is None
     grader = grader or build_grader(ec)
     check_manifest(out, models, {
         "max_calls": ec.max_calls, "max_results": ec.max_results, "max_new_tokens": ec.max_new_tokens,
@@ -213,7 +214,7 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
             for name, spec in models.items():
                 status[name] = await run_model(name, spec)
         finally:
-            client = getattr(grader, "client", None)
+            client = getattr(grader, "client", None) if own_grader else None  # a caller's grader stays open
             if client is not None:
                 await client.close()
 
