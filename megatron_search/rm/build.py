@@ -20,11 +20,12 @@ def load_encoder(cfg) -> tuple[PairEncoder, int]:
 def build_scorer(cfg, chunks: list | None = None) -> RMScorer:
     """An RMScorer on `chunks`, or on freshly built RM chunks loaded from rm.load (model parallel state must exist)."""
     from .model import build_reward_model_chunks
-    from .train import load_rm_weights
+    from .train import load_rm_weights, rm_checkpoint
 
     if chunks is None:
         if not cfg.rm.load:
             raise ValueError("rm.load: no trained reward model given (set rm.load=<RM checkpoint>)")
+        rm_checkpoint(cfg.rm.load, kind=cfg.reward.scorer)  # fail before building the model
         chunks = build_reward_model_chunks(cfg)
         load_rm_weights(chunks, cfg.rm.load, kind=cfg.reward.scorer)
     encoder, pad_id = load_encoder(cfg)

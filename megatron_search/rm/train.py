@@ -51,14 +51,13 @@ class RMTrainer(Trainer):
         self.root = checkpoint_root(cfg)
 
 
-def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) -> Path:
-    """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir.
+def rm_checkpoint(path: str | Path, kind: Optional[str] = None) -> tuple[Path, dict]:
+    """(step dir, trainer.json) of the RM checkpoint at or under `path`, checked before any model is built.
 
     `kind`: the scorer kind the caller will use; a checkpoint trained as the other kind is an error
     (a pointwise head read as a pairwise Delta, or vice versa, gives meaningless scores)."""
-    from megatron_search.train.checkpoint import MODEL_OPTIM, read_trainer_meta
+    from megatron_search.train.checkpoint import read_trainer_meta
     from megatron_search.train.init_weights import resolve_checkpoint
-    from megatron_search.train.sharded_state import load_model
 
     try:
         ckpt = resolve_checkpoint(path)
@@ -69,6 +68,15 @@ def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) 
     if kind is not None and trained is not None and trained != kind:
         raise ValueError(f"rm.load: {ckpt} is a {trained} reward model but reward.scorer={kind}; "
                          f"set reward.scorer={trained}")
+    return ckpt, meta
+
+
+def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) -> Path:
+    """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir."""
+    from megatron_search.train.checkpoint import MODEL_OPTIM
+    from megatron_search.train.sharded_state import load_model
+
+    ckpt, meta = rm_checkpoint(path, kind)
     if meta["num_chunks"] != len(chunks):
         raise ValueError(f"rm.load: {ckpt} has {meta['num_chunks']} model chunk(s), this layout builds {len(chunks)}")
     load_model(chunks, ckpt / MODEL_OPTIM)
