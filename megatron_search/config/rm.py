@@ -45,8 +45,4 @@ class RMConfig(Section):
     min_scoring_models: PositiveInt = Field(
         2, description="label-noise filter: how many scoring models must have judged a pair (RECIPE 5.1: several)"
     )
-    reference_cache: Optional[str] = Field(
-        None, description="JSONL cache of the frozen reference model's answers, one per prompt "
-        "(defaults to <run.output_dir>/reference_answers.jsonl)"
-    )
     seed: int = Field(0, description="shuffling of training pairs")
