@@ -117,7 +117,11 @@ def test_budget_curve_by_hand(tmp_path, tok):
     assert dep["abstention"]["abstention_rate"] == 1.0
     for name in ("report.json", "report.md", "accuracy_vs_budget.png", "accuracy_vs_cost.png"):
         assert (out / name).is_file(), name
-    assert list((out / "tb" / "policy").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(out / "tb" / "policy"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("demo/accuracy")] == [(0, 0.0), (1, 0.75), (2, 0.75)]
+    assert [e.value for e in ea.Scalars("demo/mean_tool_calls")] == [0.0, 2.0, 2.0]
     md = (out / "report.md").read_text()
     assert "| policy | 0.0 / " in md and "| 75.0 / " in md
 
