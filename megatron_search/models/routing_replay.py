@@ -41,7 +41,15 @@ def moe_routers(model_chunks: Sequence[torch.nn.Module]) -> list[tuple[int, torc
 
 
 def _local_tokens(experts_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
-    """[B, S, K] -> [S_local * B, K] in the router's token order."""
+    """[B, S, K] -> [S_local * B, K] in the router's token order.
+
+    Rows with a negative id (padding, or the last token the engine never fed) get experts
+    0..K-1: any valid routing will do, those positions are masked out of the loss.
+    """
+    experts_BSK = experts_BSK.to(torch.int64)
+    pad = (experts_BSK < 0).any(-1, keepdim=True)
+    filler = torch.arange(experts_BSK.shape[-1], dtype=torch.int64).expand_as(experts_BSK)
+    experts_BSK = torch.where(pad, filler, experts_BSK)
     s_major = experts_BSK.transpose(0, 1)  # [S, B, K]
     if sequence_parallel and tp_size > 1:
         s_major = torch.chunk(s_major, tp_size, dim=0)[tp_rank]
