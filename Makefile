@@ -10,7 +10,7 @@ install-dev:
 	bash scripts/install.sh --dev
 
 demo: install
-	megatron-search smoke configs/tiny_cpu.yaml
+	megatron-search demo
 
 test: install-dev
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -8,6 +8,7 @@ import sys
 
 # Module names under megatron_search.cli, in the order `--help` shows them.
 COMMANDS = [
+    "demo_cmd",
     "config_cmd",
     "smoke",
     "plan_cmd",

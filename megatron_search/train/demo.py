@@ -1,0 +1,181 @@
+"""The embedded demo: the whole recipe end to end on one CPU machine, with no downloads.
+
+    world -> search index -> single-hop QA + SFT trajectories (+ reading drills) -> tokenizer
+      -> SFT (megatron-search sft) -> reward model (rm train) -> GRPO (grpo) -> held-out eval
+
+Stages run as `megatron-search` subcommands in fresh processes (exactly what a user would type,
+and Megatron's global state never leaks between stages). Each stage leaves its output under
+--out and is skipped when that output exists, so an interrupted demo continues where it stopped.
+The report (report.md / report.json) compares the SFT policy (GRPO's initial weights) with the
+GRPO policy on held-out questions: accuracy, tool calls, tokens; plus GRPO's reward curve.
+
+The demo's questions are single-hop (data/demo_tasks.py says why); the multi-hop pipeline of
+RECIPE 4.1 runs with `megatron-search data synth`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEMO_CONFIG = "configs/demo.yaml"
+DRILLS = 2000  # reading/copy drills in the SFT mix
+
+
+def _cli(args: list[str], log: Path) -> None:
+    """Run a megatron-search subcommand; its output goes to the console as is (progress bars
+    included) and to the demo log."""
+    cmd = [sys.executable, "-m", "megatron_search.cli", *args]
+    with log.open("ab") as f:
+        f.write(("$ megatron-search " + " ".join(args) + "\n").encode())
+        f.flush()
+        # Library import-time warnings (Megatron without TE/Apex, ...) would bury the progress lines.
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        while chunk := proc.stdout.read1(65536):
+            f.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        if proc.wait() != 0:
+            raise RuntimeError(f"`megatron-search {args[0]}` failed (exit {proc.returncode}); log: {log}")
+
+
+class Demo:
+    def __init__(self, out: Path, config: str, overrides: list[str]):
+        self.out = out
+        self.config = config
+        self.overrides = overrides
+        self.log = out / "demo.log"
+        self.times: dict[str, float] = {}
+
+    def paths(self) -> dict[str, Path]:
+        o = self.out
+        return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "sft_tool": o / "sft_tool.jsonl",
+                "sft_drills": o / "sft_drills.jsonl", "tokenizer": o / "tokenizer.json", "sft": o / "sft",
+                "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
+
+    def common(self) -> list[str]:
+        p = self.paths()
+        return [f"model.tokenizer={p['tokenizer']}", f"search.index_dir={p['index']}", *self.overrides]
+
+    def stage(self, name: str, done: Path, fn) -> None:
+        if done.exists():
+            print(f"[demo] {name}: done before ({done})", flush=True)
+            return
+        print(f"[demo] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        fn()
+        self.times[name] = time.perf_counter() - t0
+        print(f"[demo] {name}: {self.times[name]:.0f}s", flush=True)
+
+    # ------------------------------------------------------------------ stages
+    def build_data(self) -> None:
+        from megatron_search.config import load_config
+        from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples, reading_drills
+        from megatron_search.data.jsonl import write_jsonl
+        from megatron_search.data.world import build_world
+        from megatron_search.rollout.chat_format import ChatFormat
+        from megatron_search.rollout.tokenizer import BPETokenizer
+        from megatron_search.search.local import build_index
+        from megatron_search.search.tool import SearchTool
+
+        p = self.paths()
+        cfg = load_config(self.config, self.overrides)
+        world = build_world(seed=cfg.run.seed)
+        world.save(p["world"])
+        docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
+        build_index(docs, p["index"], progress=False)
+        records = one_hop_records(world, seed=cfg.run.seed)
+        tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
+        examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool)
+        drills = reading_drills(world, DRILLS, seed=cfg.run.seed)
+        fmt = ChatFormat(style=cfg.model.chat_style)
+        texts = [d["text"] for d in docs] + [fmt.render(e.messages, e.tools or None) for e in examples + drills]
+        BPETokenizer.train(texts, vocab_size=cfg.model.architecture.vocab_size).save(p["tokenizer"])
+        write_jsonl(p["sft_tool"], [e.to_dict() for e in examples])
+        write_jsonl(p["sft_drills"], [e.to_dict() for e in drills])
+        write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
+        n_test = sum(r.split == "test" for r in records)
+        print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
+              f"({n_test} held out); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
+              f"the answer), {len(drills)} drills", flush=True)
+
+    def sft(self) -> None:
+        p = self.paths()
+        datasets = "{" + f"{p['sft_tool']}: 0.5, {p['sft_drills']}: 0.5" + "}"
+        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={datasets}"], self.log)
+
+    def reward_model(self) -> None:
+        p = self.paths()
+        _cli(["rm", "train", self.config, *self.common(), f"run.output_dir={p['rm']}",
+              f"rm.init_from={p['sft'] / 'checkpoints'}", "--demo", "256"], self.log)
+
+    def grpo(self) -> None:
+        p = self.paths()
+        _cli(["grpo", self.config, *self.common(), f"run.output_dir={p['grpo']}", f"data.qa_path={p['qa']}",
+              f"rm.load={p['rm'] / 'checkpoints'}", f"checkpoint.load={p['sft'] / 'checkpoints'}",
+              "optim.lr=1e-4", "optim.lr_schedule=constant", "optim.warmup_steps=0"], self.log)
+
+    def evaluate(self) -> None:
+        from megatron_search.config import load_config
+        from megatron_search.eval import BenchmarkSpec, evaluate
+
+        p = self.paths()
+        cfg = load_config(self.config, self.common())
+        models = {"sft": str(p["grpo"] / "reference_weights"), "grpo": str(p["grpo"] / "final_weights")}
+        evaluate(cfg, models, [BenchmarkSpec("records", str(p["qa"]), split="test", name="heldout")], p["eval"],
+                 index_dir=str(p["index"]), progress=True)
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> dict:
+        p = self.paths()
+        ev = json.loads((p["eval"] / "report.json").read_text())
+        rewards = _scalars(p["grpo"] / "tensorboard", "reward/mean")
+        r_base = _scalars(p["grpo"] / "tensorboard", "reward/r_base")
+        rep = {"heldout": _model_rows(ev), "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
+               "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:], "stage_seconds": self.times}
+        (self.out / "report.json").write_text(json.dumps(rep, indent=1))
+        lines = ["# megatron-search demo report", "", "| model | held-out accuracy | tool calls / question |",
+                 "| --- | --- | --- |"]
+        for name, row in rep["heldout"].items():
+            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} |")
+        if rewards:
+            lines += ["", f"GRPO mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}; "
+                          f"QA correctness r_base: {r_base[0]:.3f} -> {r_base[-1]:.3f}"]
+        (self.out / "report.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+        return rep
+
+    def run(self) -> dict:
+        p = self.paths()
+        self.out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        self.stage("data: world, index, questions, trajectories, tokenizer", p["qa"], self.build_data)
+        self.stage("SFT", p["sft"] / "checkpoints" / "latest", self.sft)
+        self.stage("reward model", p["rm"] / "checkpoints" / "latest", self.reward_model)
+        self.stage("GRPO", p["grpo"] / "final_weights" / "model.safetensors", self.grpo)
+        self.stage("held-out evaluation", p["eval"] / "report.json", self.evaluate)
+        rep = self.report()
+        print(f"[demo] finished in {time.perf_counter() - t0:.0f}s; report: {self.out / 'report.md'}", flush=True)
+        return rep
+
+
+def _scalars(logdir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logdir))
+    ea.Reload()
+    return [e.value for e in ea.Scalars(tag)] if tag in ea.Tags()["scalars"] else []
+
+
+def _model_rows(ev: dict) -> dict:
+    """{model: {accuracy, tool_calls}} on the held-out set at the largest budget of the eval report."""
+    out = {}
+    for model, benches in ev["budget_curve"].items():
+        by_budget = benches["heldout"]
+        row = by_budget[max(by_budget, key=int)]
+        out[model] = {"accuracy": row["accuracy"], "tool_calls": row["mean_tool_calls"]}
+    return out
