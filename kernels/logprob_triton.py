@@ -17,7 +17,8 @@ import triton.language as tl
 from .softmax_stats import SoftmaxStats
 
 # Columns per tile: 4096 fp32 values per program keep registers busy without spilling on
-# current GPUs; `block_rows` is accepted for signature parity (one program per row here).
+# current GPUs (blocks narrower than that use the next power of two of their width);
+# `block_rows` is accepted for signature parity (one program per row here).
 TRITON_BLOCK_COLS = 4096
 FINALIZE_BLOCK = 1024
 
@@ -136,7 +137,7 @@ def online_stats_triton(
     _online_stats_kernel[(n_rows,)](
         logits, logits.stride(0), logits.stride(1), n_cols, targets, vocab_offset,
         stats.m, stats.s, w, stats.xt,
-        HAS_W=stats.w is not None, BLOCK=block_cols,
+        HAS_W=stats.w is not None, BLOCK=min(block_cols, triton.next_power_of_2(n_cols)),
     )
 
 
@@ -162,7 +163,7 @@ def write_grad_triton(
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), n_cols,
         targets, vocab_offset, lse,
         entropy if has_ent else lse, g_logp, g_entropy if has_ent else g_logp,
-        HAS_ENT=has_ent, BLOCK=block_cols,
+        HAS_ENT=has_ent, BLOCK=min(block_cols, triton.next_power_of_2(n_cols)),
     )
 
 
