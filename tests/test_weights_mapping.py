@@ -139,3 +139,26 @@ def test_source_serves_per_expert_names_from_fused_tensors(tmp_path):
         assert src.unused([pre + "0.gate_proj.weight"]) == [pre + "down_proj"]
         with pytest.raises(MissingTensorError, match="layers.1.mlp.experts.0.up_proj.weight"):
             src.get("model.language_model.layers.1.mlp.experts.0.up_proj.weight")
+
+
+def test_fuser_rebuilds_fused_experts_from_per_expert_stream():
+    from megatron_search.weights.expert_layout import ExpertFuser, is_fused_checkpoint
+
+    gate_up, down = torch.randn(3, 4, 5), torch.randn(3, 5, 2)  # E=3, I=2, H=5
+    pre = "model.language_model.layers.1.mlp.experts."
+    stream = [(f"{pre}{e}.gate_proj.weight", gate_up[e, :2]) for e in range(3)]
+    stream += [(f"{pre}{e}.up_proj.weight", gate_up[e, 2:]) for e in (2, 0, 1)]  # any order
+    stream += [(f"{pre}{e}.down_proj.weight", down[e]) for e in range(3)]
+    stream += [("mtp.layers.0.mlp.experts.0.down_proj.weight", down[0]), ("lm_head.weight", down[1])]
+    fuser = ExpertFuser(3)
+    out = [pair for name, t in stream for pair in fuser.feed(name, t)]
+    fuser.close()
+    names = [n for n, _ in out]
+    assert names == [pre + "gate_up_proj", pre + "down_proj", "mtp.layers.0.mlp.experts.0.down_proj.weight",
+                     "lm_head.weight"]
+    assert torch.equal(out[0][1], gate_up) and torch.equal(out[1][1], down)
+    assert is_fused_checkpoint(names) and not is_fused_checkpoint(["mtp.layers.0.mlp.experts.gate_up_proj"])
+    half = ExpertFuser(3)
+    list(half.feed(f"{pre}0.down_proj.weight", down[0]))
+    with pytest.raises(ValueError, match="only 1 of 3 experts"):
+        half.close()

@@ -21,13 +21,14 @@ from tqdm import tqdm
 
 from megatron_search.config.hf import architecture_from_hf, load_hf_config
 from megatron_search.models.hf_mapping import Mapping
+from megatron_search.weights.expert_layout import ExpertFuser, is_fused_checkpoint
 from megatron_search.weights.export import HFExporter
 from megatron_search.weights.hf_source import HFTensorSource
 from megatron_search.weights.load import CheckpointMismatchError, load_hf_into_model
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
 
 EXTRA_DIR = "hf_extra"
-PASSTHROUGH_FILE = "passthrough.safetensors"
+LAYOUT_FILE = "layout.json"  # how the source stored its experts: {"fused_experts": bool}
 # Small files of an HF checkpoint that travel with it unchanged.
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
               "merges.txt", "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json")
@@ -83,6 +84,7 @@ def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Map
     for name in SIDE_FILES:
         if (hf_dir / name).is_file():
             shutil.copy2(hf_dir / name, extra / name)
+    (extra / LAYOUT_FILE).write_text(json.dumps({"fused_experts": is_fused_checkpoint(source.names())}))
     carried = sorted(n for n in source.names() if mapping.is_passthrough(n))
     if carried:
         writer = ShardedSafetensorsWriter(extra / "passthrough")
@@ -112,9 +114,11 @@ def load_mcore_checkpoint(cfg, ckpt_dir: str | Path) -> list[torch.nn.Module]:
 
 def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucket_bytes: int = 512 << 20,
                 max_shard_bytes: int = 4 << 30, out_dtype: Optional[torch.dtype] = None,
-                progress: bool = True) -> Optional[dict[str, Any]]:
+                progress: bool = True, fused_experts: Optional[bool] = None) -> Optional[dict[str, Any]]:
     """Convert a Megatron distributed checkpoint to HF safetensors (collective; rank 0 writes).
 
+    `fused_experts`: write `mlp.experts.gate_up_proj` / `down_proj` instead of per-expert names;
+    None = as the converted HF checkpoint stored them (hf_extra/layout.json), else per-expert.
     Returns a summary on rank 0 (tensor count, bytes, files), None elsewhere.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -122,15 +126,22 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
     exporter = HFExporter(chunks, cfg.model.architecture, groups, bucket_bytes, out_dtype=out_dtype)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank0 else None
+    if fused_experts is None:
+        layout = ckpt_dir / EXTRA_DIR / LAYOUT_FILE
+        fused_experts = layout.is_file() and bool(read_json(layout).get("fused_experts"))
+    fuser = ExpertFuser(cfg.model.architecture.num_experts) if fused_experts else None
     count = 0
     bar = tqdm(total=exporter.total_bytes, unit="B", unit_scale=True, desc="export Megatron -> HF",
                disable=not (progress and rank0))
     for bucket in exporter:
         for name, t in bucket:
-            writer.add(name, t)
-            count += 1
             bar.update(t.numel() * t.element_size())
+            for out_name, out_t in (fuser.feed(name, t) if fuser else [(name, t)]):
+                writer.add(out_name, out_t)
+                count += 1
     bar.close()
+    if fuser is not None:
+        fuser.close()
     if not rank0:
         _barrier()
         return None
