@@ -172,8 +172,7 @@ class GRPORun:
         n = batch.size // self.dp
         r = ps.get_data_parallel_rank()
         local = batch.slice(r * n, (r + 1) * n)
-        lr = self.trainer.current_lr
-        self.trainer._set_lr(lr)  # noqa: SLF001 (core exposes no public setter yet)
+        lr = self.trainer.apply_lr()
         history = policy_update(self.trainer.ddp, self.trainer.optimizer, local, policy_loss=self.policy_loss,
                                 aggregation=self.cfg.grpo.loss_aggregation,
                                 micro_batch_size=self.cfg.grpo.micro_batch_size,
