@@ -108,7 +108,8 @@ class HFTensorSource:
     def unused(self, used: Iterable[str], ignore_prefixes: tuple[str, ...] = ()) -> list[str]:
         """Stored tensors that no used name reads (minus ignored prefixes), sorted."""
         consumed = {self.stored_name(n) for n in used if n in self}
-        return sorted(n for n in self._get if n not in consumed and not n.startswith(ignore_prefixes or ("\0",)))
+        ignored = tuple(ignore_prefixes)
+        return sorted(n for n in self._get if n not in consumed and not (ignored and n.startswith(ignored)))
 
 
 def _read(path: str, key: str) -> torch.Tensor:
