@@ -9,7 +9,8 @@ import pytest
 from megatron_search.cli import main
 from megatron_search.data.jsonl import DataError, SkipCounter
 from megatron_search.data.public import FilterReport, convert_file, match_scale, quality_filter
-from megatron_search.data.records import QARecord, normalize_text
+from megatron_search.data.records import QARecord
+from megatron_search.text import normalize_answer as normalize_text
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 

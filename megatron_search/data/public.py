@@ -19,7 +19,9 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from .jsonl import DataError, SkipCounter
-from .records import QARecord, normalize_text
+from megatron_search.text import normalize_answer
+
+from .records import QARecord
 from .tables import read_rows
 
 TRAIN_SOURCES = ("deepdive", "sealqa", "bamboogle", "webshaper", "webwalkerqa")
@@ -152,11 +154,11 @@ def quality_filter(records: list[QARecord], eval_records: list[QARecord] = (), m
     """Drop empty or over-long answers, duplicate questions (normalised; first kept), and any training
     question whose normalised form appears in an evaluation set (eval/train overlap)."""
     report = report if report is not None else FilterReport()
-    eval_q = {normalize_text(r.question) for r in eval_records}
+    eval_q = {normalize_answer(r.question) for r in eval_records}
     seen: set[str] = set()
     out = []
     for r in records:
-        nq = normalize_text(r.question)
+        nq = normalize_answer(r.question)
         if not r.answers or not any(a.strip() for a in r.answers):
             report.drop("empty answer")
         elif max(len(a) for a in r.answers) > max_answer_chars:

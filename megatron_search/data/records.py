@@ -5,8 +5,6 @@ and format-augmented rows add `format_instruction` (the answer stays the same).
 """
 from __future__ import annotations
 
-import re
-import string
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -57,15 +55,3 @@ class QARecord:
         if unknown:
             raise DataError(f"{where}: unknown field(s) {sorted(unknown)}")
         return cls(**d)
-
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_text(s: str) -> str:
-    """Answer/question normalisation of search-agent peers (FACTS.md): lower-case, strip punctuation,
-    drop the articles a/an/the, collapse whitespace."""
-    s = s.lower().translate(_PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())

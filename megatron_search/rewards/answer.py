@@ -21,25 +21,12 @@ substring_match, so it is rejected with a ValueError: that is bad data, not a co
 """
 from __future__ import annotations
 
-import re
-import unicodedata
 from collections import Counter
 from typing import Iterable, Literal, Sequence, Union
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_SPACES = re.compile(r"\s+")
+from megatron_search.text import normalize_answer
 
 Golds = Union[str, Sequence[str]]
-
-
-def normalize_answer(text: str) -> str:
-    """Case-fold, delete punctuation, drop articles a/an/the, collapse whitespace."""
-    if not isinstance(text, str):
-        raise TypeError(f"answer: expected str, got {type(text).__name__}")
-    text = text.casefold()
-    text = "".join(ch for ch in text if not unicodedata.category(ch).startswith("P"))
-    text = _ARTICLES.sub(" ", text)
-    return _SPACES.sub(" ", text).strip()
 
 
 def _normalized_golds(gold: Golds) -> list[str]:

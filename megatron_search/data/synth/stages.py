@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
-from ..records import normalize_text
+from megatron_search.text import normalize_answer
 from ..world_schema import ATTRIBUTES, ENTITY_TYPES
 from .evidence import Evidence
 from .extract import Claim
@@ -257,12 +257,12 @@ def verify_one(rec: QuestionRecord, solver: Callable[[str, SolverSpec], SolverRe
     the chain's answer (a solver that finds several candidates counts against uniqueness)."""
     results = [solver(rec.question, s) for s in specs]
     report = [{"solver": r.solver, "answers": r.answers, "queries": len(r.queries), "failure": r.failure} for r in results]
-    gold = normalize_text(rec.chain.answer)
+    gold = normalize_answer(rec.chain.answer)
     multi = [r for r in results if len(r.answers) > 1]
-    agree = [r for r in results if r.unique is not None and normalize_text(r.unique) == gold]
+    agree = [r for r in results if r.unique is not None and normalize_answer(r.unique) == gold]
     if multi:
         reason = f"not unique: {multi[0].solver} found {len(multi[0].answers)} answers"
-    elif len({normalize_text(r.unique) for r in results if r.unique}) > 1:
+    elif len({normalize_answer(r.unique) for r in results if r.unique}) > 1:
         reason = "solvers disagree"
     elif len(agree) < quorum:
         reason = f"only {len(agree)} of {len(specs)} solvers confirmed the answer (quorum {quorum})"
