@@ -6,14 +6,19 @@ from pathlib import Path
 PROMPT_DIR = Path(__file__).parent
 
 
-def load_prompt(name: str) -> str:
-    """The text of prompts/<name>.txt (e.g. "rubric_generate_v1"), comment lines removed."""
-    path = PROMPT_DIR / f"{name}.txt"
+def read_prompt(directory: Path, name: str) -> str:
+    """The text of <directory>/<name>.txt, comment lines removed (also used by eval/prompts)."""
+    path = directory / f"{name}.txt"
     if not path.is_file():
-        known = sorted(p.stem for p in PROMPT_DIR.glob("*.txt"))
-        raise FileNotFoundError(f"no prompt file {path.name} in {PROMPT_DIR} (known: {known})")
+        known = sorted(p.stem for p in directory.glob("*.txt"))
+        raise FileNotFoundError(f"no prompt file {path.name} in {directory} (known: {known})")
     lines = path.read_text(encoding="utf-8").splitlines()
     return "\n".join(l for l in lines if not l.startswith("#")).strip()
+
+
+def load_prompt(name: str) -> str:
+    """The text of prompts/<name>.txt (e.g. "rubric_generate_v1"), comment lines removed."""
+    return read_prompt(PROMPT_DIR, name)
 
 
 def load_lines(name: str) -> list[str]:
