@@ -116,6 +116,12 @@ def _wait(env: dict, job_id: str, log: Path, until, what: str, timeout: float) -
         time.sleep(0.5)
 
 
+def _nodes_idle(env: dict) -> bool:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, env=env,
+                         timeout=30).stdout.split()
+    return out == ["n1", "idle", "n2", "idle"]
+
+
 def _tail(log: Path, n: int = 4000) -> str:
     return log.read_text(errors="replace")[-n:] if log.exists() else "(no job log)"
 
@@ -133,6 +139,27 @@ def _tensorboard_steps(tb_dir: Path) -> list[int]:
     return steps
 
 
+def _job_env(cluster: dict, tmp_path: Path) -> dict:
+    env = dict(cluster)
+    env.update(MS_PYTHON=sys.executable, MS_LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1",
+               MS_MASTER_PORT=str(_free_port_block(1)))
+    return env
+
+
+def _submit(env: dict, script: str, log: Path, overrides: list[str]) -> str:
+    """sbatch from the repo root (the job's working directory); returns the job id."""
+    out = subprocess.run(["sbatch", "--parsable", f"--output={log}", script, *overrides], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def _assert_ranks_logged(text: str, runs: int) -> None:
+    """Every run placed rank 0 on n1 and rank 1 on n2 (srun's block distribution)."""
+    assert text.count("[megatron-search] rank 0 of 2 on node n1") == runs, text[-4000:]
+    assert text.count("[megatron-search] rank 1 of 2 on node n2") == runs, text[-4000:]
+
+
 def test_sft_tiny_dry_run_without_slurm():
     """The tiny script plans 2 nodes x 1 rank from its config, like the big ones, with no Slurm around."""
     env = _base_env()
@@ -146,19 +173,14 @@ def test_sft_tiny_dry_run_without_slurm():
 
 
 def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
-    env = dict(cluster)
-    env.update(MS_PYTHON=sys.executable, MS_LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1",
-               MS_MASTER_PORT=str(_free_port_block(1)))
+    env = _job_env(cluster, tmp_path)
     data = write_dataset(tmp_path / "sft.jsonl", range(8))
     tok = train_tokenizer(tmp_path)
     run = tmp_path / "run"
     log = tmp_path / "job.out"
-    submit = subprocess.run(
-        ["sbatch", "--parsable", f"--output={log}", "slurm/sft_tiny.sh", f"model.tokenizer={tok}",
-         f"sft.datasets={{{data}: 1.0}}", f"run.output_dir={run}", f"sft.steps={STEPS}", "logging.progress_bars=true"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
+    job = _submit(env, "slurm/sft_tiny.sh", log, [f"model.tokenizer={tok}", f"sft.datasets={{{data}: 1.0}}",
+                                                 f"run.output_dir={run}", f"sft.steps={STEPS}",
+                                                 "logging.progress_bars=true"])
     try:
         # The progress bar appears once training has installed its signal handler.
         _wait(env, job, log, lambda i: i.get("JobState") == "RUNNING" and "sft:" in _tail(log, 10**6),
@@ -168,7 +190,11 @@ def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
         assert sig.returncode == 0, sig.stderr
         # lib.sh's trap: training checkpoints and exits, then `scontrol requeue`.
         _wait(env, job, log, lambda i: int(i.get("Restarts", 0)) >= 1, "requeued", 180)
-        # Slurm delays a requeued job's start (BeginTime); let it start now.
+        # Slurm delays a requeued job's start (BeginTime, ~2 min) so its previous run can finish on the
+        # nodes; once the job is pending and both nodes are idle again, let it start now.
+        _wait(env, job, log, lambda i: i.get("JobState") == "PENDING" and _nodes_idle(env), "pending on idle nodes",
+              120)
+        time.sleep(2)  # margin: the previous run's step credentials were revoked moments ago
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True,
                        timeout=30)
         info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 300)
@@ -179,9 +205,7 @@ def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
     assert info["Restarts"] == "1"
 
-    # Both runs placed rank 0 on n1 and rank 1 on n2.
-    assert text.count("[megatron-search] rank 0 of 2 on node n1") == 2, text[-4000:]
-    assert text.count("[megatron-search] rank 1 of 2 on node n2") == 2, text[-4000:]
+    _assert_ranks_logged(text, runs=2)
     assert "preemption signal: asking training to checkpoint, then requeueing job" in text
     saved = re.search(r"stop signal received: saved step (\d+), exiting", text)
     assert saved, text[-4000:]
@@ -197,3 +221,34 @@ def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
         assert f'"iteration": {step},' in (d / "trainer.json").read_text()
     # One event file per run: steps 1..k, then k+1..STEPS (resumed, not restarted).
     assert _tensorboard_steps(run / "tensorboard") == list(range(1, STEPS + 1))
+
+
+def test_grpo_tiny_job_completes(cluster, tmp_path):
+    """GRPO through slurm/grpo_tiny.sh: rollouts on rank 0's CPU engine against the embedded search
+    index, reward model scores, token-IS updates over EP=2 across n1 and n2; 2 steps and a checkpoint."""
+    from _grpo_fixture import build
+
+    fx = build(tmp_path / "world")
+    env = _job_env(cluster, tmp_path)
+    run = tmp_path / "run"
+    log = tmp_path / "job.out"
+    job = _submit(env, "slurm/grpo_tiny.sh", log, [*fx["common"], f"data.qa_path={fx['qa']}", "data.mix={qa: 1.0}",
+                                                  f"rm.load={fx['rm']}", f"run.output_dir={run}"])
+    try:
+        info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 400)
+    finally:
+        if _job(env, job).get("JobState") not in TERMINAL:
+            subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+    text = _tail(log, 10**7)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
+    _assert_ranks_logged(text, runs=1)
+    ckpt = run / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    d = ckpt / "step_00000002"
+    assert (d / "model_optim" / "metadata.json").is_file() and '"iteration": 2,' in (d / "trainer.json").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [0, 1]
+    assert (run / "final_weights" / "model.safetensors").is_file()
