@@ -252,3 +252,27 @@ def test_grpo_tiny_job_completes(cluster, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [0, 1]
     assert (run / "final_weights" / "model.safetensors").is_file()
+
+
+def test_requeued_run_resumes_only_from_an_existing_checkpoint(tmp_path):
+    """lib.sh's restart rule, without Slurm: a requeued job (SLURM_RESTART_COUNT > 0) gets
+    checkpoint.resume=true when a complete checkpoint exists, a first run or an empty run dir not."""
+    run = tmp_path / "run"
+    script = ('source slurm/lib.sh; MS_CONFIG=configs/tiny_sft_slurm.yaml; MS_OVERRIDES=("$@"); '
+              'echo "[$(ms_resume_override)]"')
+
+    def resume(restarts: int, *overrides: str) -> str:
+        env = _base_env()
+        env.update(MS_PYTHON=sys.executable, SLURM_RESTART_COUNT=str(restarts))
+        out = subprocess.run(["bash", "-c", script, "resume-test", f"run.output_dir={run}", *overrides], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert resume(1) == "[]"  # nothing saved yet: start fresh
+    (run / "checkpoints" / "step_00000003.tmp-abc").mkdir(parents=True)  # an interrupted save does not count
+    assert resume(1) == "[]"
+    (run / "checkpoints" / "step_00000002").mkdir()
+    assert resume(0) == "[]"  # first run
+    assert resume(1) == "[checkpoint.resume=true]"
+    assert resume(2, "checkpoint.resume=true") == "[]"  # already asked for
