@@ -79,3 +79,17 @@ def test_gated_fc1_is_split_per_half():
     assert plain.flatten().tolist() == [1.0, 4.0]
     with pytest.raises(ReshardError, match="not divisible"):
         default_tp_slice("x.linear_proj.weight", torch.zeros(2, 3), 1, 0, 2, gated_fc1=False)
+
+
+def test_transformers5_config_with_num_local_experts(tmp_path):
+    # transformers 5 saves Qwen3-MoE configs with num_local_experts instead of num_experts.
+    import json
+
+    from megatron_search.config import load_config
+    from megatron_search.models.provider import transformer_config_from_hf
+
+    d = json.loads(open("configs/models/tiny_qwen3_moe/config.json").read())
+    d["num_local_experts"] = d.pop("num_experts")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = load_config(None, [f"model.hf_config={tmp_path}"])
+    assert transformer_config_from_hf(cfg).num_moe_experts == 4

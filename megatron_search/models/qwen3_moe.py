@@ -35,7 +35,8 @@ def transformer_config_kwargs(cfg, hf: dict[str, Any], where: str, use_te: bool)
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         add_qkv_bias=bool(hf.get("attention_bias", False)),
         qk_layernorm=True,
-        num_moe_experts=hf["num_experts"],
+        # transformers 5 writes Qwen3-MoE configs with num_local_experts (the Hub's have num_experts)
+        num_moe_experts=cfg.model.architecture.num_experts,
         moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         # Megatron: pre_softmax=False takes the top-k logits then softmaxes them, which equals
