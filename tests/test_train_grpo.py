@@ -52,8 +52,10 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     from _grpo_fixture import grpo_worker
     from _mp import run_spawned
 
-    run_spawned(grpo_worker, 1, [("single", [])], fx, str(tmp_path))
+    run_spawned(grpo_worker, 1, [("single", []), ("replay", ["grpo.routing_replay=true"])], fx, str(tmp_path))
     check_run(tmp_path / "single", 2)
+    # routing replay: the engine returns each token's experts and training routes exactly there
+    check_run(tmp_path / "replay", 2)
 
 
 def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):

@@ -51,6 +51,8 @@ def transformer_config_from_hf(cfg):
     module, raw, where = architecture_module(cfg)
     use_te = use_transformer_engine(cfg.model.transformer_impl)
     kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
+    # RECIPE 3 routing replay: every router gets a RouterReplay that can force the engine's experts.
+    kwargs["moe_enable_routing_replay"] = bool(cfg.grpo.routing_replay)
     return getattr(module, "config_class", TransformerConfig)(**kwargs)
 
 

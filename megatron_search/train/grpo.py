@@ -44,6 +44,9 @@ class GRPORun:
         from .core import Trainer
 
         self.cfg, self.ctx = cfg, ctx
+        if cfg.grpo.routing_replay and cfg.model.recompute != "none":
+            raise ValueError("grpo.routing_replay: replaying the engine's experts inside activation recomputation "
+                             "is not wired yet; use model.recompute=none with routing replay")
         self.out = Path(cfg.run.output_dir)
         self.is_driver = dist.get_rank() == 0
         self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps)

@@ -34,7 +34,8 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
 
 
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
-                      logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None):
+                      logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
+                      replay=None):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
 
     With `capture` (forward-only passes), the detached log pi of every micro-batch is appended to it
@@ -48,6 +49,8 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
         counter["i"] += 1
         s = mb.tokens_BS.shape[1]
         position_ids = torch.arange(s).unsqueeze(0).expand_as(mb.tokens_BS)
+        if replay is not None:  # route every token to the experts the engine used for it
+            replay.set_targets(mb.routed_experts_BSLK)
         logits = model(mb.tokens_BS, position_ids, None)
 
         def loss_func(output: torch.Tensor):
@@ -140,12 +143,32 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
     dp = ps.get_data_parallel_world_size()
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     mbs = split_microbatches(batch, micro_batch_size)
+    replay = None
+    if batch.routed_experts_BSLK is not None:
+        from megatron_search.models.routing_replay import RoutingReplay
+        from megatron_search.weights.params import unwrap
+
+        # Every layer of the supported models is an MoE layer: column L of the experts is layer L.
+        replay = RoutingReplay(chunks, list(range(batch.routed_experts_BSLK.shape[2])),
+                               tp_rank=ps.get_tensor_model_parallel_rank(),
+                               tp_size=ps.get_tensor_model_parallel_world_size(),
+                               sequence_parallel=unwrap(chunks[0]).config.sequence_parallel)
+    try:
+        return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, tp_group, dp_group,
+                        pp_group, dp, last)
+    finally:
+        if replay is not None:
+            replay.clear()
+
+
+def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, tp_group, dp_group, pp_group, dp,
+             last) -> list[dict[str, float]]:
     if len(mbs) % updates:
         raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
     logp_old: Optional[list[torch.Tensor]] = None
     if updates > 1:
         captured: list[torch.Tensor] = []
-        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured)
+        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured, replay=replay)
         with torch.no_grad():
             run_schedule(chunks, fs, mbs, forward_only=True)
         # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
@@ -159,7 +182,8 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
         if denom == 0:
             continue  # no trained token anywhere in this part: nothing to learn from
         old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
-        fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old)
+        fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old,
+                               replay=replay)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
