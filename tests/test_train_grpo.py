@@ -52,10 +52,16 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     from _grpo_fixture import grpo_worker
     from _mp import run_spawned
 
-    run_spawned(grpo_worker, 1, [("single", []), ("replay", ["grpo.routing_replay=true"])], fx, str(tmp_path))
+    layouts = [("single", ["grpo.routing_agreement=true"]), ("replay", ["grpo.routing_replay=true"])]
+    run_spawned(grpo_worker, 1, layouts, fx, str(tmp_path))
     check_run(tmp_path / "single", 2)
+    # replay off: the agreement between training's and the engine's experts is measured, not forced
+    natural = scalars(tmp_path / "single", "train/routing_agreement")
+    assert natural and all(0.0 <= a <= 1.0 for a in natural)
     # routing replay: the engine returns each token's experts and training routes exactly there
     check_run(tmp_path / "replay", 2)
+    forced = scalars(tmp_path / "replay", "train/routing_agreement")
+    assert forced and all(a == 1.0 for a in forced)
 
 
 def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):

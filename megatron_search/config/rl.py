@@ -38,6 +38,9 @@ class GRPOConfig(Section):
         None, description="constant L_norm of seq_mean_token_sum_norm (e.g. the generation limit); None = padded width"
     )
     routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")
+    routing_agreement: bool = Field(
+        False, description="with routing replay off, also fetch the engine's experts and log how often training "
+        "routes each token alike (train/routing_agreement)")
     reference_urls: list[str] = Field(
         default_factory=list,
         description="engine(s) serving the frozen reference model whose answers s is measured against "

@@ -145,3 +145,21 @@ def agreement_rate(a_NLK: torch.Tensor, b_NLK: torch.Tensor, valid_N: Optional[t
     if valid_N is not None:
         same = same[valid_N.bool()]
     return float(same.float().mean()) if same.numel() else 1.0
+
+
+def recorded_agreement(recorder: ExpertRecorder, experts_BSLK: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1,
+                       sequence_parallel: bool = False) -> float:
+    """Agreement between the experts a forward chose (`recorder`, one forward) and the engine's
+    `experts_BSLK` (column L = global layer L), over this rank's non-padding tokens and MoE layers."""
+    seen = recorder.experts()
+    valid_SB = (experts_BSLK[:, :, 0, 0] >= 0).transpose(0, 1)
+    if sequence_parallel and tp_size > 1:
+        valid_SB = torch.chunk(valid_SB, tp_size, dim=0)[tp_rank]
+    valid = valid_SB.reshape(-1)
+    ours, theirs = [], []
+    for layer, chosen in sorted(seen.items()):
+        ours.append(chosen)
+        theirs.append(_local_tokens(experts_BSLK[:, :, layer], tp_rank, tp_size, sequence_parallel))
+    if not ours:
+        return 1.0
+    return agreement_rate(torch.stack(ours, 1), torch.stack(theirs, 1), valid)

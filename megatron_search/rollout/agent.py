@@ -57,7 +57,7 @@ class AgentSettings:
     def for_training(cls, cfg) -> "AgentSettings":
         r = cfg.rollout
         return cls(r.max_new_tokens, r.max_total_tokens, r.max_turns, r.temperature, r.top_p, r.concurrency,
-                   cfg.grpo.routing_replay)
+                   cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
 
     @classmethod
     def for_eval(cls, cfg) -> "AgentSettings":

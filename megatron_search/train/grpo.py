@@ -165,7 +165,7 @@ class GRPORun:
         pad_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
         batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(),
                               pad_id=self.driver.encoder.tokenizer.pad_id, pad_multiple=pad_multiple,
-                              with_routed_experts=cfg.grpo.routing_replay)
+                              with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
         return batch, m
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
@@ -179,7 +179,7 @@ class GRPORun:
         history = policy_update(self.trainer.ddp, self.trainer.optimizer, local, policy_loss=self.policy_loss,
                                 aggregation=self.cfg.grpo.loss_aggregation,
                                 micro_batch_size=self.cfg.grpo.micro_batch_size,
-                                updates=self.cfg.grpo.updates_per_batch)
+                                updates=self.cfg.grpo.updates_per_batch, replay=self.cfg.grpo.routing_replay)
         self.trainer.iteration += 1
         dt = time.perf_counter() - t0
         out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}

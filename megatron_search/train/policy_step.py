@@ -35,11 +35,14 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
 
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
                       logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
-                      replay=None):
+                      replay=None, agreement=None):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
 
     With `capture` (forward-only passes), the detached log pi of every micro-batch is appended to it
     and the loss is zero: used to compute pi_old before several optimizer steps on one batch.
+    With `replay` (RoutingReplay) the engine's experts are forced; with `agreement` (tp_rank, tp_size,
+    sequence_parallel) the experts this forward chose are compared with the engine's
+    (metric routing_agreement: 1.0 under replay, the natural train/inference agreement without).
     """
     counter = {"i": 0}
 
@@ -51,7 +54,17 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
         position_ids = torch.arange(s).unsqueeze(0).expand_as(mb.tokens_BS)
         if replay is not None:  # route every token to the experts the engine used for it
             replay.set_targets(mb.routed_experts_BSLK)
-        logits = model(mb.tokens_BS, position_ids, None)
+        agree = None
+        if agreement is not None:
+            from megatron_search.models.routing_replay import ExpertRecorder, recorded_agreement
+
+            with ExpertRecorder([model]) as rec:
+                logits = model(mb.tokens_BS, position_ids, None)
+            tp_rank, tp_size, sp = agreement
+            agree = recorded_agreement(rec, mb.routed_experts_BSLK, tp_rank=tp_rank, tp_size=tp_size,
+                                       sequence_parallel=sp)
+        else:
+            logits = model(mb.tokens_BS, position_ids, None)
 
         def loss_func(output: torch.Tensor):
             # The logits are read by nothing after this loss, so their gradient is written into their
@@ -67,6 +80,8 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
             metrics = {k: v.detach().float() for k, v in metrics.items()}
             # loss * scale averaged over every micro-batch and DP rank is the global objective.
             metrics["loss"] = (loss * scale).detach().float()
+            if agree is not None:
+                metrics["routing_agreement"] = torch.tensor(agree)
             return loss * scale, metrics
 
         return logits, loss_func
@@ -128,7 +143,7 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
 
 
 def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: Callable, aggregation: str,
-                  micro_batch_size: int, updates: int = 1) -> list[dict[str, float]]:
+                  micro_batch_size: int, updates: int = 1, replay: bool = True) -> list[dict[str, float]]:
     """`updates` optimizer steps on this data-parallel rank's share of a rollout batch.
 
     With updates > 1 the batch is split into that many equal parts (one optimizer step each) and
@@ -143,26 +158,28 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
     dp = ps.get_data_parallel_world_size()
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
     mbs = split_microbatches(batch, micro_batch_size)
-    replay = None
+    replay_ctl = agreement = None
     if batch.routed_experts_BSLK is not None:
         from megatron_search.models.routing_replay import RoutingReplay
         from megatron_search.weights.params import unwrap
 
-        # Every layer of the supported models is an MoE layer: column L of the experts is layer L.
-        replay = RoutingReplay(chunks, list(range(batch.routed_experts_BSLK.shape[2])),
-                               tp_rank=ps.get_tensor_model_parallel_rank(),
-                               tp_size=ps.get_tensor_model_parallel_world_size(),
-                               sequence_parallel=unwrap(chunks[0]).config.sequence_parallel)
+        where = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                 unwrap(chunks[0]).config.sequence_parallel)
+        if replay:
+            # Every layer of the supported models is an MoE layer: column L of the experts is layer L.
+            replay_ctl = RoutingReplay(chunks, list(range(batch.routed_experts_BSLK.shape[2])), tp_rank=where[0],
+                                       tp_size=where[1], sequence_parallel=where[2])
+        agreement = where
     try:
-        return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, tp_group, dp_group,
-                        pp_group, dp, last)
+        return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay_ctl, agreement, tp_group,
+                        dp_group, pp_group, dp, last)
     finally:
-        if replay is not None:
-            replay.clear()
+        if replay_ctl is not None:
+            replay_ctl.clear()
 
 
-def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, tp_group, dp_group, pp_group, dp,
-             last) -> list[dict[str, float]]:
+def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, agreement, tp_group, dp_group,
+             pp_group, dp, last) -> list[dict[str, float]]:
     if len(mbs) % updates:
         raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
     logp_old: Optional[list[torch.Tensor]] = None
@@ -183,7 +200,7 @@ def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, 
             continue  # no trained token anywhere in this part: nothing to learn from
         old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
         fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old,
-                               replay=replay)
+                               replay=replay, agreement=agreement)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
