@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_dir import save_checkpoint
-from .sharded_state import _dist_ckpt, load_sharded, optimizer_parts, save_sharded  # noqa: F401 (_dist_ckpt: init_weights.py)
+from .sharded_state import load_sharded, optimizer_parts, save_sharded
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
