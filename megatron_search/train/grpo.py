@@ -24,8 +24,15 @@ import torch.distributed as dist
 from megatron_search.rewards.batch import compute_rewards_from_config, reward_generator
 from megatron_search.rl.advantages import group_advantages
 from megatron_search.rl.registry import build_policy_loss
+from megatron_search.rollout.launch import start_engines
+from megatron_search.rollout.local import LocalEngine
+from megatron_search.rollout.sglang import SGLangClient
 
+from .grpo_data import build_mix_sampler
+from .grpo_driver import RolloutDriver
 from .grpo_metrics import rollout_metrics
+from .grpo_preference import build_preference
+from .init_weights import load_model_weights
 from .metrics import MetricsWriter, format_line
 from .policy_step import policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
@@ -56,35 +63,21 @@ class GRPORun:
         self.driver = self.sampler = None
         self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
         extra = self.trainer.resume()
-        from .grpo_preference import build_preference
-
         # The reward model runs in the training layout: every rank holds its shard and scores together.
         self.preference = build_preference(cfg)
         if not extra and cfg.checkpoint.load and not cfg.checkpoint.resume:
-            from .init_weights import load_model_weights
-
             load_model_weights(self.trainer, cfg.checkpoint.load)  # e.g. the SFT checkpoint
         if self.is_driver:
             self._build_driver(extra)
         self.resumed = bool(extra)
 
     def _build_driver(self, extra: dict) -> None:
-        from .grpo_data import build_mix_sampler
-        from megatron_search.rollout.launch import start_engines
-
-        from .grpo_driver import RolloutDriver
-
         self.out.mkdir(parents=True, exist_ok=True)
         engines = start_engines(self.cfg, self.out / "engines")
-        reference = None
-        if not self.cfg.grpo.reference_urls:
-            from megatron_search.rollout.local import LocalEngine
-
-            reference = LocalEngine.from_config(self.cfg)
-        else:
-            from megatron_search.rollout.sglang import SGLangClient
-
+        if self.cfg.grpo.reference_urls:
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
+        else:  # the frozen initial policy, in process (it receives the first weight sync)
+            reference = LocalEngine.from_config(self.cfg)
         self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
         self.sampler = build_mix_sampler(self.cfg)
         if "sampler" in extra:
