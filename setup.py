@@ -38,7 +38,9 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.0"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "triton>=3.0", "qwen-agent>=0.0.30"],
+        # Tests also need qwen-agent for its Qwen BPE ranks file, installed without its (unused)
+        # runtime dependencies by scripts/install.sh --dev: pip install --no-deps "qwen-agent>=0.0.30".
+        "dev": ["pytest>=8", "hypothesis>=6.100", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["megatron-search=megatron_search.cli:main"]},
 )
