@@ -165,6 +165,22 @@ def _mismatch(logp_ref: Tensor, logp_infer: Tensor, m: Tensor) -> dict[str, Tens
     return {"mismatch_kl_k1": (-d).mean(), "mismatch_kl_k3": (torch.exp(d) - 1.0 - d).mean()}
 
 
+def _masked_inputs(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high,
+                   aggregation, norm_tokens):
+    """Validated, upcast inputs with off-mask positions zeroed: (mask, log pi_theta, log mu (detached),
+    log pi_ref = pi_old or sg(pi_theta), advantages, a zero scalar). where() comes before any
+    arithmetic, so off-mask garbage (NaN, -inf) never reaches values or gradients."""
+    m = _validate(
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+    )
+    logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
+    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
+    lp = torch.where(m, logp_train, zero)
+    lp_infer = torch.where(m, logp_infer.detach(), zero)
+    lp_ref = lp.detach() if logp_old is None else torch.where(m, logp_old.detach(), zero)
+    return m, lp, lp_infer, lp_ref, advantages, zero
+
+
 @register_policy_loss("token_is")
 def token_is_loss(
     logp_train: Tensor,
@@ -181,15 +197,9 @@ def token_is_loss(
     norm_tokens: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level IS policy loss (module docstring); returns (loss, metrics)."""
-    m = _validate(
+    m, lp, lp_infer, lp_ref, advantages, zero = _masked_inputs(
         logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
     )
-    logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
-    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
-    # where() before any arithmetic: off-mask garbage (NaN, -inf) never reaches values or gradients.
-    lp = torch.where(m, logp_train, zero)
-    lp_infer = torch.where(m, logp_infer.detach(), zero)
-    lp_ref = lp.detach() if logp_old is None else torch.where(m, logp_old.detach(), zero)
     w = torch.exp(lp_ref - lp_infer)
     w_used = w if is_cap is None else torch.clamp(w, max=is_cap)
     log_rho = None if logp_old is None else lp - lp_ref
@@ -222,14 +232,9 @@ def sequence_is_loss(
     norm_tokens: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level (GSPO-style, geometric-mean) IS policy loss (module docstring); returns (loss, metrics)."""
-    m = _validate(
+    m, lp, lp_infer, lp_ref, advantages, zero = _masked_inputs(
         logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
     )
-    logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
-    zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
-    lp = torch.where(m, logp_train, zero)
-    lp_infer = torch.where(m, logp_infer.detach(), zero)
-    lp_ref = lp.detach() if logp_old is None else torch.where(m, logp_old.detach(), zero)
     n_tok = m.sum(-1).clamp(min=1).to(lp.dtype)
     seq = m.any(-1)
 
