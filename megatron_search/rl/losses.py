@@ -211,8 +211,8 @@ def token_is_loss(
     metrics["is_truncated_frac"] = (w[m] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[m].float().mean()
     metrics.update(_mismatch(lp_ref, lp_infer, m))
-    metrics["num_tokens"] = m.sum().to(logp_train.dtype)
-    metrics["num_sequences"] = m.any(-1).sum().to(logp_train.dtype)
+    metrics["num_tokens"] = m.sum().to(lp.dtype)
+    metrics["num_sequences"] = m.any(-1).sum().to(lp.dtype)
     return loss, metrics
 
 
@@ -252,6 +252,6 @@ def sequence_is_loss(
     metrics["is_truncated_frac"] = (w[seq] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[seq].float().mean()
     metrics.update(_mismatch(lp_ref, lp_infer, m))
-    metrics["num_tokens"] = m.sum().to(logp_train.dtype)
-    metrics["num_sequences"] = seq.sum().to(logp_train.dtype)
+    metrics["num_tokens"] = m.sum().to(lp.dtype)
+    metrics["num_sequences"] = seq.sum().to(lp.dtype)
     return loss, metrics
