@@ -548,11 +548,12 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - t0
         print(f"{status} {name} ({seconds:.1f} s){': ' + error if error else ''}", flush=True)
         results.append({"check": name, "status": status, "seconds": seconds, "error": error, "items": chk.items})
-    summary = {"env": env, "cpu_dry_run": args.cpu_dry_run, "checks": results,
-               "ok": all(r["status"] != "FAIL" for r in results)}
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, default=str))
-    os.replace(tmp, out_dir / "summary.json")
+        # rewritten after every check: a run cut short by a timeout still leaves the checks it finished
+        summary = {"env": env, "cpu_dry_run": args.cpu_dry_run, "checks": results, "complete": name == checks[-1],
+                   "ok": all(r["status"] != "FAIL" for r in results)}
+        tmp = out_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1, default=str))
+        os.replace(tmp, out_dir / "summary.json")
     print("SUMMARY " + " ".join(f"{r['check']}={r['status']}" for r in results), flush=True)
     return 0 if summary["ok"] else 1
 
