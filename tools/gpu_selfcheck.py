@@ -21,12 +21,14 @@ Checks (each runs on its own; a failure prints its traceback and the next check 
   gdn      fla's chunk_gated_delta_rule (fwd + bwd, fp32 and bf16, Megatron's calling convention:
            l2norm outside, g in log space, beta after sigmoid) and fused_recurrent (fwd) vs our
            models/gdn_torch.py in float64, dk = dv = 128, T = 1024 and 4096.
-  models   tiny Qwen3-MoE and Qwen3.5-MoE built by our provider (local spec, fp32, world size 1) and
-           filled from a random HF model by our HF->Megatron loader: logits vs transformers on the
-           same device, loss and backward (every parameter gets a finite gradient); reports which GDN
-           kernels Megatron and HF used, and on CUDA the fla-vs-torch GDN difference inside the model.
   pytest   tests/test_kernels_*.py in a child process (real Triton here; the interpreter test spawns
            its own child), pass/fail counts.
+  models   tiny Qwen3-MoE and Qwen3.5-MoE built by our provider (local spec, fp32, world size 1,
+           nccl on GPU unless --dist-backend gloo) and filled from a random HF model by our
+           HF->Megatron loader: logits vs transformers on the same device, loss and backward (every
+           parameter gets a finite gradient); reports which GDN kernels Megatron and HF used, and on
+           CUDA the fla-vs-torch GDN difference inside the model.
+summary.json in --out is rewritten after every check.
 `--cpu-dry-run` runs every check's code on CPU with small shapes and the Triton interpreter (the fla
 check then reports 'skipped: needs CUDA'); tests/test_tools_gpu_selfcheck.py runs it.
 Exit status: 0 when no check failed, 1 otherwise.
@@ -47,7 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS_PKG = "megatron_search.kernels"
-CHECKS = ("kernels", "gdn", "models", "pytest")
+CHECKS = ("kernels", "gdn", "pytest", "models")  # models last: it is the one that starts NCCL
 
 
 class _KernelsAlias(importlib.abc.MetaPathFinder):
@@ -184,8 +186,9 @@ def check_kernels(chk: Check, s: Shapes, device) -> None:
         del x, out
     del grad64
 
-    # vocab-parallel code path on a 1-rank group (nccl on CUDA): must equal the group-less result exactly
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # vocab-parallel code path on a 1-rank group: must equal the group-less result exactly. gloo (it
+    # all-reduces CUDA tensors too): this checks our code path; NCCL is exercised by the models check.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         a = token_logprobs(logits, targets, group=dist.group.WORLD, vocab_start=0, vocab_size=s.vocab, backend="triton")
         chk.expect("vocab_parallel_1rank.logp", max_abs(a.logp, token_logprobs(logits, targets, backend="triton").logp), 0.0)
@@ -396,7 +399,7 @@ def _hf_gdn_kernel(hf) -> str:
     return "none (no GDN layers)"
 
 
-def check_models(chk: Check, s: Shapes, device) -> None:
+def check_models(chk: Check, s: Shapes, device, dist_backend: str) -> None:
     import torch
 
     from megatron_search.config import load_config
@@ -409,7 +412,7 @@ def check_models(chk: Check, s: Shapes, device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     for i, name in enumerate(MODELS):
         model_dir = REPO / "configs/models" / name
-        cfg = load_config(None, [f"model.hf_config={model_dir}"])
+        cfg = load_config(None, [f"model.hf_config={model_dir}", f"parallel.backend={dist_backend}"])
         ctx = init_distributed(cfg)
         try:
             kernels = "n/a"
@@ -501,6 +504,8 @@ def main(argv=None) -> int:
                    help="run on CPU with small shapes and the Triton interpreter (for machines without a GPU)")
     p.add_argument("--pytest-files", default="tests/test_kernels_*.py")
     p.add_argument("--pytest-timeout", type=float, default=240.0, help="seconds")
+    p.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="models check: torch.distributed backend of the 1-process group (auto: nccl on GPU)")
     args = p.parse_args(argv)
     checks = [c for c in args.checks.split(",") if c]
     if set(checks) - set(CHECKS):
@@ -528,7 +533,7 @@ def main(argv=None) -> int:
             env[mod] = f"not importable: {type(e).__name__}: {e}"
     print(json.dumps(env), flush=True)
     runners = {"kernels": lambda c: check_kernels(c, shapes, device), "gdn": lambda c: check_gdn(c, shapes, device),
-               "models": lambda c: check_models(c, shapes, device),
+               "models": lambda c: check_models(c, shapes, device, args.dist_backend),
                "pytest": lambda c: check_pytest(c, shapes, device, args.pytest_timeout, args.pytest_files)}
     results = []
     for name in checks:
