@@ -37,7 +37,9 @@ setup(
         "psutil>=5.9",  # megatron.core.dist_checkpointing's file writer needs it (weights/checkpoint.py)
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.0"],
+        # triton>=3.7.1: fla's GDN chunk backward is wrong on Hopper with Triton 3.4-3.7.0 (fla #640;
+        # fla 0.6 refuses it; seen on an H200 with Triton 3.6, tools/gpu_selfcheck.py).
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.7.1"],
         # Tests also need qwen-agent for its Qwen BPE ranks file, installed without its (unused)
         # runtime dependencies by scripts/install.sh --dev: pip install --no-deps "qwen-agent>=0.0.30".
         "dev": ["pytest>=8", "hypothesis>=6.100", "triton>=3.0"],

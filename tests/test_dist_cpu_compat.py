@@ -20,6 +20,19 @@ def test_no_op_when_cuda_is_available(monkeypatch):
     assert calls == [] and cpu_compat.is_enabled() is False
 
 
+def test_missing_te_gemm_name_is_defined_as_none(monkeypatch):
+    # Megatron 0.16 defines moe_utils.te_general_gemm only when TE imports, yet its router reads it.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    cpu_compat.define_missing_te_gemm()
+    assert moe_utils.te_general_gemm is None
+    sentinel = object()
+    monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel, raising=False)
+    cpu_compat.define_missing_te_gemm()  # a real TE function is left alone
+    assert moe_utils.te_general_gemm is sentinel
+
+
 def test_enabling_twice_is_harmless():
     import megatron.core.pipeline_parallel.schedules as schedules
 

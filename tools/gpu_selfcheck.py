@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""GPU self-check: the CUDA paths of this stack against independent references, in about 3 minutes.
+"""GPU self-check: the CUDA paths of this stack against independent references.
+
+On an H200 (2026-11-30): kernels 6 s, models 105 s, gdn over 4 minutes (fla autotunes on first use).
 
 On a GPU machine with the repo checked out (installed or not):
 
@@ -218,16 +220,22 @@ def _check_linear(chk: Check, s: Shapes, device, targets, w, group) -> None:
     naive = torch.log_softmax((h @ wt.T).float(), dim=-1)
     naive_lp, naive_ent = naive.gather(-1, targets[:, None]).squeeze(-1), -(naive.exp() * naive).sum(-1)
     yard = {"logp": max_abs(naive_lp, lp64), "entropy": max_abs(naive_ent, ent64)}
-    chk.note("linear.naive_bf16_matmul_error", logp=yard["logp"], entropy=yard["entropy"])
     del logq, naive
+    # Gradients likewise: the naive bf16 path (bf16 matmul, fp32 softmax, autograd) is the yardstick.
+    hn, wn = h.clone().requires_grad_(), wt.clone().requires_grad_()
+    naive = torch.log_softmax((hn @ wn.T).float(), dim=-1)
+    (naive.gather(-1, targets[:, None]).squeeze(-1) * w[0] - (naive.exp() * naive).sum(-1) * w[1]).sum().backward()
+    yard["grad_hidden"], yard["grad_weight"] = rel(hn.grad, h64.grad), rel(wn.grad, w64.grad)
+    del naive, hn, wn
+    chk.note("linear.naive_bf16_matmul_error", **yard)
     for tag, grp in (("linear", None), ("linear_vocab_parallel_1rank", group)):
         hh, ww = h.clone().requires_grad_(), wt.clone().requires_grad_()
         out = linear_token_logprobs(hh, ww, targets, with_entropy=True, group=grp, backend="triton")
         (out.logp * w[0] + out.entropy * w[1]).sum().backward()
         chk.expect(f"{tag}.logp", max_abs(out.logp, lp64), 2 * yard["logp"] + 1e-3)
         chk.expect(f"{tag}.entropy", max_abs(out.entropy, ent64), 2 * yard["entropy"] + 1e-3)
-        chk.expect(f"{tag}.grad_hidden_bf16", rel(hh.grad, h64.grad), 2e-2, "rel")
-        chk.expect(f"{tag}.grad_weight_bf16", rel(ww.grad, w64.grad), 2e-2, "rel")
+        chk.expect(f"{tag}.grad_hidden_bf16", rel(hh.grad, h64.grad), 2 * yard["grad_hidden"] + 1e-3, "rel")
+        chk.expect(f"{tag}.grad_weight_bf16", rel(ww.grad, w64.grad), 2 * yard["grad_weight"] + 1e-3, "rel")
 
 
 def _check_group_advantages(chk: Check, s: Shapes, device) -> None:
@@ -335,11 +343,19 @@ def check_gdn(chk: Check, s: Shapes, device) -> None:
             t0 = time.perf_counter()
             o, hT = rule(norm(xs[0]), norm(xs[1]), xs[2], g=xs[3], beta=xs[4], initial_state=xs[5], output_final_state=True,
                          use_qk_l2norm_in_kernel=False)
-            ((o.double() * wo).sum() + (hT.double() * wh).sum()).backward()
-            sync(device)
             tag = f"chunk_{impl}_{str(dtype)[6:]}_T{t}"
             chk.expect(f"{tag}.o", rel(o, o64), tol, "rel")
             chk.expect(f"{tag}.final_state", rel(hT, hT64), tol, "rel")
+            try:
+                ((o.double() * wo).sum() + (hT.double() * wh).sum()).backward()
+            except RuntimeError as e:
+                # fla >= 0.5 refuses its chunk backward on Hopper with Triton 3.4-3.7.0 (wrong results,
+                # fla #640): an environment finding, reported as such; the forward was still checked.
+                if impl == "fla" and "Triton" in str(e):
+                    chk.note(f"{tag}.backward_refused_by_fla", reason=str(e)[:200])
+                    continue
+                raise
+            sync(device)
             worst = max(rel(x.grad, r) for x, r in zip(xs, ref_grads))
             chk.expect(f"{tag}.grads(q,k,v,g,beta,h0)", worst, tol * 4, "rel")
             chk.note(f"{tag}.time", ms_fwd_bwd=(time.perf_counter() - t0) * 1e3)
@@ -441,7 +457,13 @@ def check_models(chk: Check, s: Shapes, device, dist_backend: str) -> None:
             model.train()
             labels = torch.roll(ids, -1, dims=1)
             loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels).float().mean()
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as e:  # fla's refusal on Hopper with Triton 3.4-3.7.0 (see check_gdn)
+                if kernels == "fla" and "Triton" in str(e):
+                    chk.note(f"{name}.backward_refused_by_fla", reason=str(e)[:200])
+                    continue
+                raise
             ref_loss = torch.nn.functional.cross_entropy(ref.reshape(-1, ref.shape[-1]), labels.reshape(-1))
             chk.expect(f"{name}.loss_vs_hf", abs(loss.item() - ref_loss.item()), 1e-3 * ref_loss.item())
             bad = [n for n, p in model.named_parameters()
@@ -482,7 +504,10 @@ def check_pytest(chk: Check, s: Shapes, device, timeout_s: float, files: str) ->
             "import gpu_selfcheck\ngpu_selfcheck.install_kernels_alias()\n")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, str(REPO), os.environ.get("PYTHONPATH", "")]))
         env.pop("TRITON_INTERPRET", None)  # real Triton where there is a GPU; the tests set it where they need it
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sorted(str(p) for p in REPO.glob(files))]
+        paths = sorted(str(p) for p in REPO.glob(files))
+        if device.type == "cuda":  # the interpreter test is the CPU machines' stand-in for this check
+            paths = [p for p in paths if not p.endswith("test_kernels_triton_interpret.py")]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     out = proc.stdout + proc.stderr

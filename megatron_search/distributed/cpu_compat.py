@@ -287,11 +287,23 @@ class _RebindingLoader(importlib.abc.Loader):
         return getattr(self.inner, name)
 
 
+def define_missing_te_gemm() -> None:
+    """Megatron-Core 0.16's MoE router reads `moe_utils.te_general_gemm`, a name it defines only when
+    Transformer Engine imports: without TE every router forward raises NameError, on CPU and on GPU
+    alike (seen on an H200 without TE). Define it as None, the value its own check expects."""
+    try:
+        moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    except ImportError:
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable_cpu_compat() -> bool:
     """Redirect Megatron-Core's CUDA-only calls to CPU. Returns True when active (CPU only)."""
     global _ENABLED
     if torch.cuda.is_available():
-        return False  # GPU machine: Megatron runs unmodified
+        return False  # GPU machine: Megatron runs unmodified (distributed/init.py defines the TE name)
     if _ENABLED:
         return True
     for name in _MODULES_TO_LOAD:
@@ -299,6 +311,7 @@ def enable_cpu_compat() -> bool:
             importlib.import_module(name)
         except ImportError:  # a newer Megatron may move a module; patch what exists
             continue
+    define_missing_te_gemm()
     proxy = _make_torch_proxy()
     _rebind(proxy)
     sys.meta_path.insert(0, _RebindOnImport(proxy))
@@ -308,9 +321,6 @@ def enable_cpu_compat() -> bool:
             if hasattr(random, attr):
                 setattr(random, attr, fn)
         logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
-    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     for modname, clsname in (("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
                              ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer")):
         cls = getattr(sys.modules.get(modname), clsname, None)

@@ -98,7 +98,7 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) 
 
     from megatron_search.config.schema import layout_problems
 
-    from .cpu_compat import enable_cpu_compat
+    from .cpu_compat import define_missing_te_gemm, enable_cpu_compat
 
     env = env or read_dist_env()
     problems = layout_problems(cfg, env.world_size)
@@ -106,6 +106,7 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) 
         raise LayoutError(f"world size {env.world_size} ({env.source}):\n  " + "\n  ".join(problems))
     backend = resolve_backend(cfg.parallel.backend)
     if torch.cuda.is_available():
+        define_missing_te_gemm()  # Megatron without TE (see cpu_compat); enable_cpu_compat does it on CPU
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
