@@ -34,7 +34,8 @@ def world():
 @pytest.fixture(scope="module")
 def chat(world):
     # the tiny model samples any of its 2,048 ids: the tokenizer needs exactly that many (a richer corpus)
-    texts = [d.text for d in build_world(6, 300).documents] + [r["messages"][0]["content"] for r in demo_rubric_rows(world, 30)]
+    texts = [d.text for seed in (6, 7) for d in build_world(seed, 300).documents]
+    texts += [r["messages"][0]["content"] for r in demo_rubric_rows(world, 30)]
     tok = BPETokenizer.train(texts * 2, vocab_size=2048)
     assert tok.vocab_size == 2048
     return ChatEndpoint(tok, ChatFormat("qwen3"), "tiny-qwen3-moe", default_max_tokens=16)

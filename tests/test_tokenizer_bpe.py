@@ -34,10 +34,26 @@ def test_round_trip_on_unseen_text(tok):
     for text in ["river city founded in 1850.", "Ångström 🚀 中文 <|im_end|>\n", "  spaces\tand\nlines  "]:
         assert tok.decode(tok.encode(text)) == text
     # Frequent words compress: training did merge.
-    assert len(tok.encode(" accelerator")) == 1
+    assert len(tok.encode("accelerator")) == 1
     assert tok.decode([1, 5, 2], skip_special_tokens=True) == "<tool_response>"
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.decode([tok.vocab_size])
+
+
+def test_words_pretokenizer_keeps_a_word_s_tokens_everywhere(tok):
+    # The default ("words") splits spaces off: a name copied from the context into an answer (at the
+    # start of a line, after a quote) has the same ids as where it was read.
+    space = tok.encode(" ")
+    for word in ["accelerator", "Zorblatquenix", "museum"]:
+        ids = tok.encode(word)
+        assert tok.encode(f"the {word}.") == tok.encode("the") + space + ids + tok.encode(".")
+        assert tok.encode(f'"{word}"')[1:-1] == ids and tok.encode(f"\n{word}")[1:] == ids
+    # Qwen's pattern glues the space to the word: " accelerator" is one id, "accelerator" another.
+    qwen = BPETokenizer.train(corpus(), vocab_size=2048, pretokenizer="qwen")
+    assert len(qwen.encode(" accelerator")) == 1 and qwen.encode(" accelerator") != qwen.encode("accelerator")
+    assert qwen.decode(qwen.encode("  spaces\tand\nlines  ")) == "  spaces\tand\nlines  "
+    with pytest.raises(ValueError, match="pretokenizer 'bert'"):
+        BPETokenizer.train(corpus(10), pretokenizer="bert")
 
 
 def test_save_load_and_hf(tok, tmp_path):

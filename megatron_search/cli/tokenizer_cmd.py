@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Iterator
 
+from megatron_search.rollout.tokenizer import PRETOKENIZERS
+
 TEXT_FIELDS = ("title", "text", "question", "answer", "content")
 
 
@@ -22,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory (tokenizer.json is written there)")
     p.add_argument("--vocab-size", type=int, default=2048, help="at most this many ids (tiny models: 2048)")
     p.add_argument("--min-frequency", type=int, default=2)
+    p.add_argument("--pretokenizer", choices=PRETOKENIZERS, default="words",
+                   help="words: a space is its own token, so a word has the same tokens everywhere (copyable by "
+                        "a small model); qwen: Qwen's pattern (the space glued to the next word)")
     p.set_defaults(func=run)
 
 
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         texts = [t for path in args.corpus for t in tqdm(iter_texts(path), desc=f"reading {path}", unit=" docs")]
         tok = BPETokenizer.train(texts, vocab_size=args.vocab_size, min_frequency=args.min_frequency,
-                                 show_progress=True)
+                                 show_progress=True, pretokenizer=args.pretokenizer)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,6 +31,13 @@ from .chat_format import ChatFormat, AssistantTurn, IM_END, IM_START
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# The tiny BPE's default pre-tokenizer: words, digits, punctuation runs and whitespace runs are
+# separate pieces, so a word never carries the space before it. A name then has the same tokens
+# wherever it stands (after a space, at the start of an answer, after a quote), which is what lets
+# a model trained from scratch copy it from the context with an induction head. Qwen's pattern
+# glues the space to the word (" Dreikym" vs "D"+"reikym" at the start of a line).
+WORDS_PATTERN = r"[\p{L}\p{M}]+|\p{N}|[^\s\p{L}\p{M}\p{N}]+|\s+"
+PRETOKENIZERS = ("words", "qwen")
 QWEN_NUM_RANKS = 151_643
 # Added tokens of Qwen2.5 / Qwen3 at their real ids, with the `special` flag of each. Source:
 # `added_tokens_decoder` in the Qwen3 tokenizer_config.json (e.g. huggingface.co/Qwen/Qwen3-4B,
@@ -190,11 +197,11 @@ class QwenTokenizer(ChatTokenizer):
         return tok
 
 
-def _qwen_pre_tokenizer():
+def _qwen_pre_tokenizer(pattern: str = QWEN_PATTERN):
     from tokenizers import Regex, pre_tokenizers
 
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 
@@ -262,17 +269,21 @@ class BPETokenizer(ChatTokenizer):
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 2,
-              show_progress: bool = False) -> "BPETokenizer":
-        """Train on `texts`; the vocabulary has at most `vocab_size` ids (fewer on a small corpus)."""
+              show_progress: bool = False, pretokenizer: str = "words") -> "BPETokenizer":
+        """Train on `texts`; the vocabulary has at most `vocab_size` ids (fewer on a small corpus).
+        `pretokenizer`: "words" (WORDS_PATTERN: spaces are their own tokens) or "qwen" (QWEN_PATTERN).
+        The choice is saved in tokenizer.json."""
         from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, trainers
         from tokenizers.models import BPE
 
         base = 256 + len(CHAT_SPECIAL_TOKENS) + len(CHAT_TEXT_TOKENS)
         if vocab_size < base:
             raise ValueError(f"vocab_size {vocab_size} is below the {base} bytes + chat tokens a byte-level BPE needs")
+        if pretokenizer not in PRETOKENIZERS:
+            raise ValueError(f"pretokenizer {pretokenizer!r}: expected one of {', '.join(PRETOKENIZERS)}")
         tok = Tokenizer(BPE(fuse_unk=False))
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = _qwen_pre_tokenizer()
+        tok.pre_tokenizer = _qwen_pre_tokenizer(WORDS_PATTERN if pretokenizer == "words" else QWEN_PATTERN)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size, min_frequency=min_frequency, show_progress=show_progress,
