@@ -133,6 +133,12 @@ def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir, mon
     assert abs(losses[0] - math.log(2048)) < 1.0
     assert losses[2] < losses[1] < losses[0]
     assert summary["checkpoint"].endswith("step_00000003")
+    # A second stage started from those weights (checkpoint.load, no resume): fresh step counter and
+    # optimizer, but its first loss is already below the first run's last one (a fresh start is ~ln 2048).
+    cfg2 = sft_config(tmp_path, {data: 1.0}, ["sft.steps=1", "sft.packing=false", f"checkpoint.load={summary['checkpoint']}",
+                                              f"run.output_dir={tmp_path / 'stage2'}", f"checkpoint.dir={tmp_path / 'ck2'}"])
+    stage2 = real_run(cfg2)
+    assert stage2["iterations"] == [1] and stage2["losses"][0] < losses[2]
 
 
 def test_bad_inputs_fail_clearly(tmp_path, tok_dir):

@@ -79,6 +79,10 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         extra = trainer.resume()
         if extra:
             batcher.load_state_dict(extra["data"])
+        elif cfg.checkpoint.load and not cfg.checkpoint.resume:
+            from .init_weights import load_model_weights
+
+            load_model_weights(trainer, cfg.checkpoint.load)  # e.g. a previous SFT stage (curriculum)
         if on_start is not None:
             on_start(trainer)
         out = Path(cfg.run.output_dir)
