@@ -194,7 +194,7 @@ def _attention_layer_spec(config, use_te: bool):
     )
 
     from .norm import RMSNorm
-    from .specs import replace_norms
+    from .specs import local_spec_fixups
 
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
@@ -204,7 +204,7 @@ def _attention_layer_spec(config, use_te: bool):
         num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=True, normalization="RMSNorm",
     )
-    return replace_norms(spec, RMSNorm)
+    return local_spec_fixups(spec, RMSNorm)
 
 
 def layer_specs(config, use_te: bool) -> list:

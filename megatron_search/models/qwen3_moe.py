@@ -66,7 +66,7 @@ def layer_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int | None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     from .norm import RMSNorm
-    from .specs import block_from_layer_spec, replace_norms
+    from .specs import block_from_layer_spec, local_spec_fixups
 
     if use_te:
         return get_gpt_decoder_block_spec(
@@ -78,4 +78,4 @@ def layer_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int | None):
         qk_layernorm=True,
         normalization="RMSNorm",
     )
-    return block_from_layer_spec(replace_norms(spec, RMSNorm), config, vp_stage, pp_rank, RMSNorm)
+    return block_from_layer_spec(local_spec_fixups(spec, RMSNorm), config, vp_stage, pp_rank, RMSNorm)

@@ -2,7 +2,8 @@
 
 The local specs come from Megatron-Core's own builders; `replace_norms` then swaps Megatron's torch
 fallback norm (which refuses sequence parallel) for our `RMSNorm` everywhere in the spec tree, so
-TP > 1 with sequence parallel (required for MoE) also works on CPU.
+TP > 1 with sequence parallel (required for MoE) also works on CPU, and `use_sdpa_attention` routes
+their core attention through torch SDPA (models/sdpa_attention.py); `local_spec_fixups` does both.
 """
 from __future__ import annotations
 
@@ -40,22 +41,41 @@ def _fallback_norm_classes() -> tuple[type, ...]:
     return (WrappedTorchNorm,)
 
 
-def replace_norms(spec: Any, norm_cls: type = RMSNorm) -> Any:
-    """Copy of a ModuleSpec / submodules tree with every torch-fallback norm replaced by `norm_cls`."""
+def _replace_modules(spec: Any, swap) -> Any:
+    """Copy of a ModuleSpec / submodules tree with each module class `cls` replaced by `swap(cls)`."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    fallback = _fallback_norm_classes()
-    if isinstance(spec, type) and issubclass(spec, fallback):
-        return norm_cls
+    if isinstance(spec, type):
+        return swap(spec)
     if isinstance(spec, ModuleSpec):
-        module = norm_cls if isinstance(spec.module, type) and issubclass(spec.module, fallback) else spec.module
-        return dataclasses.replace(spec, module=module, submodules=replace_norms(spec.submodules, norm_cls))
+        return dataclasses.replace(spec, module=_replace_modules(spec.module, swap),
+                                   submodules=_replace_modules(spec.submodules, swap))
     if isinstance(spec, list):
-        return [replace_norms(s, norm_cls) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: replace_norms(getattr(spec, f.name), norm_cls) for f in dataclasses.fields(spec)}
+        return [_replace_modules(s, swap) for s in spec]
+    if dataclasses.is_dataclass(spec):
+        changes = {f.name: _replace_modules(getattr(spec, f.name), swap) for f in dataclasses.fields(spec)}
         return dataclasses.replace(spec, **changes)
     return spec
+
+
+def replace_norms(spec: Any, norm_cls: type = RMSNorm) -> Any:
+    """Copy of a spec tree with every torch-fallback norm replaced by `norm_cls` (see module docstring)."""
+    fallback = _fallback_norm_classes()
+    return _replace_modules(spec, lambda cls: norm_cls if issubclass(cls, fallback) else cls)
+
+
+def use_sdpa_attention(spec: Any) -> Any:
+    """Copy of a local spec tree whose core attention runs through torch SDPA (models/sdpa_attention.py)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from .sdpa_attention import SDPADotProductAttention
+
+    return _replace_modules(spec, lambda cls: SDPADotProductAttention if cls is DotProductAttention else cls)
+
+
+def local_spec_fixups(spec: Any, norm_cls: type = RMSNorm) -> Any:
+    """What every local (non-TE) spec of ours gets: SP-capable norms and SDPA core attention."""
+    return use_sdpa_attention(replace_norms(spec, norm_cls))
 
 
 def block_from_layer_spec(layer_spec: Any, config, vp_stage: int | None, pp_rank: int | None, norm_cls: type):
