@@ -32,19 +32,24 @@ def test_one_hop_records_and_trajectories():
         user, call, tool_msg, answer = ex.messages[1:]
         assert answer["content"] in tool_msg["content"]  # copied from real search results
         subject = next(r for r in recs if r.id == ex.metadata["qa_id"]).metadata["subject"]
-        assert call["tool_calls"][0]["function"]["arguments"]["query"].startswith(subject)
+        assert call["tool_calls"][0]["function"]["arguments"]["query"] == subject
         assert subject in user["content"]
         assert tool_msg["content"].startswith("[1] ")
 
 
-def test_reading_drills_use_fresh_names():
-    from megatron_search.data.demo_tasks import reading_drills
+def test_drills_use_fresh_names():
+    from megatron_search.data.demo_tasks import copy_drills, reading_drills
 
     world = build_world(seed=3, num_entities=80)
     world_names = [e.name.lower() for e in world.entities.values()]
-    drills = reading_drills(world, 40, seed=1)
-    assert len(drills) == 40
-    for d in drills:
+    copies, reads = copy_drills(world, 200, seed=1), reading_drills(world, 40, seed=1)
+    assert len(copies) == 200 and len(reads) == 40
+    for d in copies + reads:
         user, answer = d.messages[0]["content"], d.messages[1]["content"]
         assert answer in user  # copied from the prompt
         assert not any(n in user.lower() for n in world_names)  # teaches no world fact
+        assert not any(answer.lower() in n for n in world_names)
+    assert all(d.messages[0]["content"] == "Repeat exactly: " + d.messages[1]["content"] for d in copies)
+    assert len({d.messages[1]["content"] for d in copies}) > 150  # mostly distinct names
+    q = reads[0].messages[0]["content"].split("\n\n")
+    assert len(q) == 2 and q[1].startswith("Which ") and reads[0].messages[1]["content"] in q[0]

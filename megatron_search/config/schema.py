@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from .base import Section
 from .cluster import ClusterConfig
 from .data import DataConfig
+from .demo import DemoConfig
 from .eval import EvalConfig
 from .hf import HFConfigError
 from .model import ModelConfig, ParallelConfig
@@ -37,6 +38,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    demo: DemoConfig = Field(default_factory=DemoConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

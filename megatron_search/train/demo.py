@@ -1,7 +1,8 @@
 """The embedded demo: the whole recipe end to end on one CPU machine, with no downloads.
 
-    world -> search index -> single-hop QA + SFT trajectories (+ reading drills) -> tokenizer
-      -> SFT (megatron-search sft) -> reward model (rm train) -> GRPO (grpo) -> held-out eval
+    world -> search index -> single-hop QA + SFT trajectories + copy/reading drills -> tokenizer
+      -> copy warm-up (sft on the copy drills) -> agent SFT (sft, from the warm-up's weights)
+      -> reward model (rm train) -> GRPO (grpo) -> held-out eval
 
 Stages run as `megatron-search` subcommands in fresh processes (exactly what a user would type,
 and Megatron's global state never leaks between stages). Each stage leaves its output under
@@ -10,7 +11,9 @@ The report (report.md / report.json) compares the SFT policy (GRPO's initial wei
 GRPO policy on held-out questions: accuracy, tool calls, tokens; plus GRPO's reward curve.
 
 The demo's questions are single-hop (data/demo_tasks.py says why); the multi-hop pipeline of
-RECIPE 4.1 runs with `megatron-search data synth`.
+RECIPE 4.1 runs with `megatron-search data synth`. The copy warm-up stands in for the pretraining a
+real policy starts from: a model trained from scratch must first learn to copy a name out of its
+context (the `demo` config section sizes it).
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import time
 from pathlib import Path
 
 DEMO_CONFIG = "configs/demo.yaml"
-DRILLS = 2000  # reading/copy drills in the SFT mix
 
 
 def _cli(args: list[str], log: Path) -> None:
@@ -50,12 +52,15 @@ class Demo:
         self.overrides = overrides
         self.log = out / "demo.log"
         self.times: dict[str, float] = {}
+        from megatron_search.config import load_config
+
+        self.curriculum = load_config(config, overrides).demo  # the `demo` section
 
     def paths(self) -> dict[str, Path]:
         o = self.out
         return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "sft_tool": o / "sft_tool.jsonl",
-                "sft_drills": o / "sft_drills.jsonl", "tokenizer": o / "tokenizer.json", "sft": o / "sft",
-                "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
+                "sft_copy": o / "sft_copy.jsonl", "sft_read": o / "sft_read.jsonl", "tokenizer": o / "tokenizer.json",
+                "warmup": o / "warmup", "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
 
     def common(self) -> list[str]:
         p = self.paths()
@@ -74,7 +79,7 @@ class Demo:
     # ------------------------------------------------------------------ stages
     def build_data(self) -> None:
         from megatron_search.config import load_config
-        from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples, reading_drills
+        from megatron_search.data.demo_tasks import copy_drills, one_hop_records, one_hop_sft_examples, reading_drills
         from megatron_search.data.jsonl import write_jsonl
         from megatron_search.data.world import build_world
         from megatron_search.rollout.chat_format import ChatFormat
@@ -91,22 +96,42 @@ class Demo:
         records = one_hop_records(world, seed=cfg.run.seed)
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
         examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool)
-        drills = reading_drills(world, DRILLS, seed=cfg.run.seed)
+        copies = copy_drills(world, cfg.demo.copy_drills, seed=cfg.run.seed)
+        reads = reading_drills(world, cfg.demo.reading_drills, seed=cfg.run.seed)
         fmt = ChatFormat(style=cfg.model.chat_style)
-        texts = [d["text"] for d in docs] + [fmt.render(e.messages, e.tools or None) for e in examples + drills]
-        BPETokenizer.train(texts, vocab_size=cfg.model.architecture.vocab_size).save(p["tokenizer"])
+        texts = [d["text"] for d in docs] + [fmt.render(e.messages, e.tools or None) for e in examples + copies + reads]
+        vocab = cfg.model.architecture.vocab_size
+        tok = BPETokenizer.train(texts, vocab_size=vocab)
+        if tok.vocab_size != vocab:  # the policy samples any of its ids: each must decode
+            raise RuntimeError(f"the demo BPE has {tok.vocab_size} ids but the model {vocab} embeddings: the texts are too "
+                               "few to learn that many merges (raise demo.copy_drills / demo.reading_drills)")
+        tok.save(p["tokenizer"])
         write_jsonl(p["sft_tool"], [e.to_dict() for e in examples])
-        write_jsonl(p["sft_drills"], [e.to_dict() for e in drills])
+        write_jsonl(p["sft_copy"], [e.to_dict() for e in copies])
+        write_jsonl(p["sft_read"], [e.to_dict() for e in reads])
         write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
         n_test = sum(r.split == "test" for r in records)
         print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
               f"({n_test} held out); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
-              f"the answer), {len(drills)} drills", flush=True)
+              f"the answer), {len(copies)} copy and {len(reads)} reading drills", flush=True)
+
+    def warmup(self) -> None:
+        """Copy warm-up: SFT on the copy drills alone, one short drill per row (no packing, so each
+        row holds exactly one name to copy), large batches, constant LR."""
+        p, d = self.paths(), self.curriculum
+        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['warmup']}", f"sft.datasets={{{p['sft_copy']}: 1.0}}",
+              f"sft.steps={d.warmup_steps}", f"optim.lr={d.warmup_lr}", "optim.lr_schedule=constant",
+              "sft.packing=false", f"sft.seq_length={d.warmup_seq_length}", f"sft.global_batch_size={d.warmup_batch}",
+              f"sft.micro_batch_size={d.warmup_batch}", f"checkpoint.save_interval={d.warmup_steps}"], self.log)
 
     def sft(self) -> None:
-        p = self.paths()
-        datasets = "{" + f"{p['sft_tool']}: 0.5, {p['sft_drills']}: 0.5" + "}"
-        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={datasets}"], self.log)
+        p, d = self.paths(), self.curriculum
+        parts = {"tool": p["sft_tool"], "copy": p["sft_copy"], "read": p["sft_read"]}
+        datasets = "{" + ", ".join(f"{parts[k]}: {w}" for k, w in d.sft_mix.items() if w > 0) + "}"
+        start = [f"checkpoint.load={p['warmup'] / 'checkpoints'}", f"optim.lr={d.sft_lr}",
+                 f"optim.min_lr={d.sft_lr / 10}"] if d.warmup_steps else []
+        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={datasets}", *start],
+             self.log)
 
     def reward_model(self) -> None:
         p = self.paths()
@@ -117,7 +142,7 @@ class Demo:
         p = self.paths()
         _cli(["grpo", self.config, *self.common(), f"run.output_dir={p['grpo']}", f"data.qa_path={p['qa']}",
               f"rm.load={p['rm'] / 'checkpoints'}", f"checkpoint.load={p['sft'] / 'checkpoints'}",
-              "optim.lr=1e-4", "optim.lr_schedule=constant", "optim.warmup_steps=0"], self.log)
+              f"optim.lr={self.curriculum.grpo_lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0"], self.log)
 
     def evaluate(self) -> None:
         from megatron_search.config import load_config
@@ -136,7 +161,8 @@ class Demo:
         rewards = _scalars(p["grpo"] / "tensorboard", "reward/mean")
         r_base = _scalars(p["grpo"] / "tensorboard", "reward/r_base")
         rep = {"heldout": _model_rows(ev), "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
-               "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:], "stage_seconds": self.times}
+               "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
+               "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1))
         lines = ["# megatron-search demo report", "", "| model | held-out accuracy | tool calls / question |",
                  "| --- | --- | --- |"]
@@ -154,6 +180,8 @@ class Demo:
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         self.stage("data: world, index, questions, trajectories, tokenizer", p["qa"], self.build_data)
+        if self.curriculum.warmup_steps:
+            self.stage("copy warm-up", p["warmup"] / "checkpoints" / "latest", self.warmup)
         self.stage("SFT", p["sft"] / "checkpoints" / "latest", self.sft)
         self.stage("reward model", p["rm"] / "checkpoints" / "latest", self.reward_model)
         self.stage("GRPO", p["grpo"] / "final_weights" / "model.safetensors", self.grpo)
@@ -161,6 +189,14 @@ class Demo:
         rep = self.report()
         print(f"[demo] finished in {time.perf_counter() - t0:.0f}s; report: {self.out / 'report.md'}", flush=True)
         return rep
+
+
+def _previous_stage_seconds(report: Path) -> dict:
+    """Stage times of an earlier (interrupted or finished) run in this directory: kept in the report."""
+    try:
+        return json.loads(report.read_text()).get("stage_seconds", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def _scalars(logdir: Path, tag: str) -> list[float]:
