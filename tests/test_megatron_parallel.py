@@ -2,7 +2,8 @@
 
 One Megatron optimizer step each (DDP + finalize_model_grads + Megatron optimizer; PP through the
 1F1B schedule). Loss and global grad norm must agree with the 1-process run to 1e-4 relative, and so
-must every parameter's gradient shard (error relative to the tensor's largest reference entry).
+must every parameter's gradient shard (error relative to the tensor's largest reference entry; 2e-4,
+see SHARD_RTOL) and update.
 The harness lives in tests/_parallel_harness.py (add architectures there).
 """
 from __future__ import annotations
@@ -14,6 +15,10 @@ import pytest
 from _parallel_harness import ARCHITECTURES, LAYOUTS, run_architectures
 
 RTOL = 1e-4
+# Per-parameter gradient shards and updates: fp32 reduction-order noise reaches 1.05e-4 / 1.2e-4 on the
+# 4-entry GDN dt_bias / A_log of Qwen3.5 at TP=2+SP since attention runs through SDPA (1.4e-5 before);
+# a missing or wrong reduction shows as an error of order 1, so 2e-4 still catches it.
+SHARD_RTOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,8 @@ def test_layout_matches_one_process(results, arch, layout):
         # Every parameter's gradient shard, not just the norm (a missing reduction hides in the norm),
         # and every parameter's update (through the distributed optimizer's shards where it is on).
         if "grad_max_rel_err" in got:
-            assert got["grad_max_rel_err"] <= RTOL, (arch, layout, got["grad_worst_param"])
-        assert got["update_max_rel_err"] <= RTOL, (arch, layout, got["update_worst_param"])
+            assert got["grad_max_rel_err"] <= SHARD_RTOL, (arch, layout, got["grad_worst_param"])
+        assert got["update_max_rel_err"] <= SHARD_RTOL, (arch, layout, got["update_worst_param"])
     # Both ranks report the same global numbers.
     for key in ("loss", "grad_norm"):
         assert r["layouts"][0][layout][key] == r["layouts"][1][layout][key]

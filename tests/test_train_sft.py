@@ -139,6 +139,15 @@ def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir, mon
                                               f"run.output_dir={tmp_path / 'stage2'}", f"checkpoint.dir={tmp_path / 'ck2'}"])
     stage2 = real_run(cfg2)
     assert stage2["iterations"] == [1] and stage2["losses"][0] < losses[2]
+    # A training checkpoint (no hf_extra) converts to an HF directory that transformers loads.
+    from transformers import AutoModelForCausalLM
+
+    from megatron_search.weights.convert import convert
+
+    convert("mcore_to_hf", f"{summary['checkpoint']}/model_optim", tmp_path / "hf",
+            hf_config=str(cfg.model.resolved_hf_config()), progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.vocab_size == cfg.model.architecture.vocab_size
 
 
 def test_bad_inputs_fail_clearly(tmp_path, tok_dir):

@@ -156,6 +156,11 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
     for name in SIDE_FILES:
         if (extra / name).is_file():
             shutil.copy2(extra / name, out_dir / name)
+    hf_config = cfg.model.resolved_hf_config()
+    hf_config = hf_config / "config.json" if hf_config.is_dir() else hf_config
+    if not (out_dir / "config.json").exists() and hf_config.is_file():
+        # a training checkpoint carries no hf_extra: the model's own config.json makes the output loadable
+        shutil.copy2(hf_config, out_dir / "config.json")
     _barrier()
     return {"tensors": count, "bytes": writer.total_bytes, "files": files}
 
