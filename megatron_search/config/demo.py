@@ -25,8 +25,9 @@ class DemoConfig(Section):
     warmup_seq_length: PositiveInt = Field(
         40, description="row length of the warm-up (a copy drill is 19-33 tokens with the demo tokenizer)")
     sft_lr: PositiveFloat = Field(
-        5e-4, description="peak LR of the agent SFT after the warm-up (cosine to a tenth); a higher one erases "
-        "the copying the warm-up taught (measured: 2e-3 -> 0% on fresh names)")
+        5e-4, description="peak LR of the agent SFT after the warm-up; a higher one erases the copying the "
+        "warm-up taught (measured: 2e-3 -> 0% on fresh names)")
+    sft_min_lr: PositiveFloat = Field(5e-5, description="final LR of the agent SFT's cosine schedule")
     sft_mix: dict[str, float] = Field(
         default_factory=lambda: {"tool": 0.5, "copy": 0.3, "read": 0.2},
         description="agent SFT sampling weights of the tool trajectories and the two drill kinds")

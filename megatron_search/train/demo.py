@@ -129,7 +129,7 @@ class Demo:
         parts = {"tool": p["sft_tool"], "copy": p["sft_copy"], "read": p["sft_read"]}
         datasets = "{" + ", ".join(f"{parts[k]}: {w}" for k, w in d.sft_mix.items() if w > 0) + "}"
         start = [f"checkpoint.load={p['warmup'] / 'checkpoints'}", f"optim.lr={d.sft_lr}",
-                 f"optim.min_lr={d.sft_lr / 10}"] if d.warmup_steps else []
+                 f"optim.min_lr={d.sft_min_lr}"] if d.warmup_steps else []
         _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={datasets}", *start],
              self.log)
 
