@@ -39,10 +39,10 @@ def _optim_metadata() -> dict:
 
 
 def _prime_fresh_distributed_optimizer(optimizer) -> None:
-    """Give a never-stepped DistributedOptimizer placeholder Adam state before a load.
+    """Give a never-stepped DistributedOptimizer zero-filled Adam state before a load.
 
     Without Transformer Engine / Apex its state_dict() reads every parameter's torch-Adam "step",
-    which does not exist before the first step; the load then overwrites these placeholders.
+    which does not exist before the first step; the load then overwrites these zeros.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
