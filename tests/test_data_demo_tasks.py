@@ -1,6 +1,8 @@
 """Single-hop demo tasks: unique answers, held-out subjects disjoint, trajectories with real results."""
 from collections import defaultdict
 
+import pytest
+
 from megatron_search.config import load_config
 from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples
 from megatron_search.data.world import build_world
@@ -53,3 +55,44 @@ def test_drills_use_fresh_names():
     assert len({d.messages[1]["content"] for d in copies}) > 150  # mostly distinct names
     q = reads[0].messages[0]["content"].split("\n\n")
     assert len(q) == 2 and q[1].startswith("Which ") and reads[0].messages[1]["content"] in q[0]
+
+
+def test_varied_copy_drills_put_the_name_anywhere():
+    from megatron_search.data.demo_tasks import copy_drills
+
+    world = build_world(seed=3, num_entities=80)
+    drills = copy_drills(world, 300, seed=2, layout="varied")
+    tails = heads = 0
+    for d in drills:
+        user, answer = d.messages[0]["content"], d.messages[1]["content"]
+        cue = user.index("Repeat exactly: ")
+        assert user[cue + len("Repeat exactly: "):].startswith(answer)  # the cue names what to copy
+        tails += not user.endswith(answer)  # something follows the name
+        heads += cue > 0  # something precedes the cue
+    # both sides get filler in a good share of drills (layouts: 3 of 4 can follow, 3 of 4 precede)
+    assert tails > 150 and heads > 150
+    # the default layout is unchanged: the name ends the prompt
+    assert all(d.messages[0]["content"].endswith(d.messages[1]["content"]) for d in copy_drills(world, 20, seed=2))
+    with pytest.raises(ValueError, match="layout"):
+        copy_drills(world, 1, layout="middle")
+
+
+def test_reading_drills_answer_with_the_fact_sentence():
+    from megatron_search.data.demo_tasks import reading_drills
+    from megatron_search.data.world_schema import ENTITY_TYPES, RELATIONS
+
+    world = build_world(seed=3, num_entities=80)
+    for d in reading_drills(world, 40, seed=4, answer="sentence", phrasing="first"):
+        passage, question = d.messages[0]["content"].split("\n\n")
+        reply, name = d.messages[1]["content"], d.metadata["answers"][0]
+        # the question's relation and subject, read back from its wording: "Which person wrote <subject>?"
+        prefixes = [(r, f"Which {ENTITY_TYPES[r.obj][0]} {r.top_inv} ") for r in RELATIONS]
+        asked = [(r, question[len(p):-1]) for r, p in prefixes if question.startswith(p)]
+        assert len(asked) == 1 and name in passage
+        rel, subject = asked[0]
+        assert reply == rel.templates[0].format(s=subject, o=name)  # "<subject> was written by <name>."
+        assert reply in passage  # the first-template passage states the answer sentence word for word
+    for d in reading_drills(world, 40, seed=4):  # defaults: bare name, any template
+        assert d.messages[1]["content"] == d.metadata["answers"][0]
+    with pytest.raises(ValueError, match="answer"):
+        reading_drills(world, 1, answer="essay")

@@ -10,7 +10,10 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     from megatron_search.cli import main
 
     out = tmp_path / "demo"
+    # the non-default drills (filler around the copied name, sentence answers) and a warm-up on both kinds
     overrides = ["demo.copy_drills=3000", "demo.reading_drills=1000", "demo.warmup_steps=2", "demo.warmup_batch=8",
+                 "demo.copy_layout=varied", "demo.reading_answer=sentence", "demo.warmup_mix={copy: 0.5, read: 0.5}",
+                 "demo.warmup_seq_length=160",
                  "sft.steps=2", "sft.global_batch_size=2", "sft.micro_batch_size=2",
                  "rm.steps=1", "rm.global_batch_pairs=4", "rm.micro_batch_pairs=2",
                  "grpo.steps=1", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
@@ -23,6 +26,11 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     assert (out / "warmup" / "checkpoints" / "latest").exists() and (out / "sft" / "checkpoints" / "latest").exists()
     copies = [json.loads(line) for line in (out / "sft_copy.jsonl").open()]
     assert len(copies) == 3000 and copies[0]["messages"][1]["content"] in copies[0]["messages"][0]["content"]
+    reads = [json.loads(line) for line in (out / "sft_read.jsonl").open()]
+    assert all(r["messages"][1]["content"].endswith(".") and r["metadata"]["answers"][0] in r["messages"][1]["content"]
+               for r in reads)
+    warmup_cmd = next(line for line in (out / "demo.log").read_text().splitlines() if "warmup" in line and "sft.datasets" in line)
+    assert "sft_copy.jsonl: 0.5" in warmup_cmd and "sft_read.jsonl: 0.5" in warmup_cmd
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}
     for row in rep["heldout"].values():

@@ -100,27 +100,62 @@ class _FreshNames:
         raise RuntimeError(f"could not invent a fresh {etype} name")
 
 
-def copy_drills(world: World, n: int, seed: int = 0) -> list[SFTExample]:
-    """ "Repeat exactly: Zorblat Quenix" -> "Zorblat Quenix", on freshly invented names.
+# Words of the world's sentences: the filler around a copy drill's name (layout "varied").
+_FILLER_WORDS = ("the", "a", "of", "in", "is", "was", "by", "at", "to", "and", "for", "with", "from", "that", "this",
+                 "it", "on", "as", "are", "be", "or", "an", "not", "which", "person", "city", "book", "company", "year",
+                 "first", "name", "native")
+_COPY_LAYOUTS = ("{f1} {y} {f2}. Repeat exactly: {x} {f2}", "Repeat exactly: {x}. {f1} {y} {f2}",
+                 "{f1} Repeat exactly: {x} {f2}", "{y} {f1}. Repeat exactly: {x}")
+COPY_LAYOUTS = ("end", "varied")
+DRILL_ANSWERS = ("name", "sentence")
+DRILL_PHRASINGS = ("any", "first")
 
-    The skill the search agent needs first (the subject goes into the query, the answer comes out
-    of the results). A model trained from scratch gets it from many short examples in a few hundred
-    steps (an induction head), and almost never from the few copied tokens of tool trajectories."""
+
+def copy_drills(world: World, n: int, seed: int = 0, layout: str = "end", max_filler: int = 10) -> list[SFTExample]:
+    """Copy drills on freshly invented names: the skill the search agent needs first (the subject
+    goes into the query, the answer comes out of the results).
+
+    layout "end": "Repeat exactly: Zorblat Quenix" -> "Zorblat Quenix". A model trained from scratch
+    gets it in a few hundred steps, but as a copy from a fixed offset before the end of the prompt:
+    97% on this layout, 0% with a word appended or a sentence prepended (measured).
+    layout "varied": the same cue, with the name among up to `max_filler` filler words on either side
+    and a distractor name, so the name must be found by content and copied by an induction head."""
+    if layout not in COPY_LAYOUTS:
+        raise ValueError(f"copy_drills: layout must be one of {COPY_LAYOUTS}, got {layout!r}")
     rng = random.Random(seed + 7919)
     names = _FreshNames(world, rng)
     out = []
     for i in range(n):
-        name = names.make(rng.choice(list(ENTITY_TYPES)))
-        messages = [{"role": "user", "content": f"Repeat exactly: {name}"}, {"role": "assistant", "content": name}]
+        x = names.make(rng.choice(list(ENTITY_TYPES)))
+        prompt = f"Repeat exactly: {x}"
+        if layout == "varied":
+            y = names.make(rng.choice(list(ENTITY_TYPES)))
+            f1, f2 = (" ".join(rng.choice(_FILLER_WORDS) for _ in range(rng.randint(0, max_filler))) for _ in range(2))
+            prompt = " ".join(rng.choice(_COPY_LAYOUTS).format(x=x, y=y, f1=f1, f2=f2).split())
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": x}]
         out.append(SFTExample(f"copy-{seed}-{i}", "instruction", messages, []))
     return out
 
 
-def reading_drills(world: World, n: int, seed: int = 0) -> list[SFTExample]:
+def fact_sentence(relation: str, subject: str, obj: str) -> str:
+    """A fact restated with its relation's first (subject-first) template: "X was written by Y."
+    Answered this way, the object comes right after words that preceded it in the passage, so an
+    induction head can copy it; a bare name needs the fact located and its object read in one step."""
+    return RELATION_BY_NAME[relation].templates[0].format(s=subject, o=obj)
+
+
+def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name", phrasing: str = "any") -> list[SFTExample]:
     """ "<3 sentences stating facts> Which person wrote X?" -> the person the passage names, on
-    freshly invented names: reading the answer to a question out of a passage, as from results."""
+    freshly invented names: reading the answer to a question out of a passage, as from results.
+
+    answer "name" gives the bare name, "sentence" the fact restated (fact_sentence). phrasing "any"
+    states each fact with any of its relation's templates (as the world's documents do), "first"
+    with the subject-first one only, which the sentence answer repeats word for word."""
     from .world_schema import RELATIONS
 
+    if answer not in DRILL_ANSWERS or phrasing not in DRILL_PHRASINGS:
+        raise ValueError(f"reading_drills: answer must be one of {DRILL_ANSWERS} and phrasing one of "
+                         f"{DRILL_PHRASINGS}, got {answer!r}, {phrasing!r}")
     rng = random.Random(seed + 104729)
     names = _FreshNames(world, rng)
     out = []
@@ -128,10 +163,12 @@ def reading_drills(world: World, n: int, seed: int = 0) -> list[SFTExample]:
         facts = []
         for rel in rng.sample(RELATIONS, 3):
             s, o = names.make(rel.subj), names.make(rel.obj)
-            facts.append((rel, s, o, rng.choice(rel.templates).format(s=s, o=o)))
+            template = rel.templates[0] if phrasing == "first" else rng.choice(rel.templates)
+            facts.append((rel, s, o, template.format(s=s, o=o)))
         rel, s, o, _ = rng.choice(facts)
         passage = " ".join(f[3] for f in facts)
         question = f"Which {ENTITY_TYPES[rel.obj][0]} {rel.top_inv} {s}?"
-        messages = [{"role": "user", "content": f"{passage}\n\n{question}"}, {"role": "assistant", "content": o}]
-        out.append(SFTExample(f"read-{seed}-{i}", "instruction", messages, []))
+        reply = fact_sentence(rel.name, s, o) if answer == "sentence" else o
+        messages = [{"role": "user", "content": f"{passage}\n\n{question}"}, {"role": "assistant", "content": reply}]
+        out.append(SFTExample(f"read-{seed}-{i}", "instruction", messages, [], metadata={"answers": [o]}))
     return out

@@ -66,6 +66,12 @@ class Demo:
         p = self.paths()
         return [f"model.tokenizer={p['tokenizer']}", f"search.index_dir={p['index']}", *self.overrides]
 
+    def _mix(self, weights: dict[str, float]) -> str:
+        """`sft.datasets` override for a {tool|copy|read: weight} mix of the demo's SFT files."""
+        p = self.paths()
+        files = {"tool": p["sft_tool"], "copy": p["sft_copy"], "read": p["sft_read"]}
+        return "{" + ", ".join(f"{files[k]}: {w}" for k, w in weights.items() if w > 0) + "}"
+
     def stage(self, name: str, done: Path, fn) -> None:
         if done.exists():
             print(f"[demo] {name}: done before ({done})", flush=True)
@@ -96,8 +102,10 @@ class Demo:
         records = one_hop_records(world, seed=cfg.run.seed)
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
         examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool)
-        copies = copy_drills(world, cfg.demo.copy_drills, seed=cfg.run.seed)
-        reads = reading_drills(world, cfg.demo.reading_drills, seed=cfg.run.seed)
+        cur = cfg.demo
+        copies = copy_drills(world, cur.copy_drills, seed=cfg.run.seed, layout=cur.copy_layout)
+        reads = reading_drills(world, cur.reading_drills, seed=cfg.run.seed, answer=cur.reading_answer,
+                               phrasing=cur.reading_phrasing)
         fmt = ChatFormat(style=cfg.model.chat_style)
         texts = [d["text"] for d in docs] + [fmt.render(e.messages, e.tools or None) for e in examples + copies + reads]
         vocab = cfg.model.architecture.vocab_size
@@ -116,18 +124,18 @@ class Demo:
               f"the answer), {len(copies)} copy and {len(reads)} reading drills", flush=True)
 
     def warmup(self) -> None:
-        """Copy warm-up: SFT on the copy drills alone, one short drill per row (no packing, so each
-        row holds exactly one name to copy), large batches, constant LR."""
+        """Copy warm-up: SFT on the drills (demo.warmup_mix; the copy drills alone by default), one
+        short drill per row (no packing, so each row holds exactly one name to copy), constant LR."""
         p, d = self.paths(), self.curriculum
-        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['warmup']}", f"sft.datasets={{{p['sft_copy']}: 1.0}}",
+        _cli(["sft", self.config, *self.common(), f"run.output_dir={p['warmup']}",
+              f"sft.datasets={self._mix(d.warmup_mix)}",
               f"sft.steps={d.warmup_steps}", f"optim.lr={d.warmup_lr}", "optim.lr_schedule=constant",
               "sft.packing=false", f"sft.seq_length={d.warmup_seq_length}", f"sft.global_batch_size={d.warmup_batch}",
               f"sft.micro_batch_size={d.warmup_batch}", f"checkpoint.save_interval={d.warmup_steps}"], self.log)
 
     def sft(self) -> None:
         p, d = self.paths(), self.curriculum
-        parts = {"tool": p["sft_tool"], "copy": p["sft_copy"], "read": p["sft_read"]}
-        datasets = "{" + ", ".join(f"{parts[k]}: {w}" for k, w in d.sft_mix.items() if w > 0) + "}"
+        datasets = self._mix(d.sft_mix)
         start = [f"checkpoint.load={p['warmup'] / 'checkpoints'}", f"optim.lr={d.sft_lr}",
                  f"optim.min_lr={d.sft_min_lr}"] if d.warmup_steps else []
         _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={datasets}", *start],
