@@ -96,3 +96,44 @@ def test_reading_drills_answer_with_the_fact_sentence():
         assert d.messages[1]["content"] == d.metadata["answers"][0]
     with pytest.raises(ValueError, match="answer"):
         reading_drills(world, 1, answer="essay")
+
+
+def test_first_phrasing_world_states_each_fact_subject_first():
+    from megatron_search.data.world_schema import ATTRIBUTE_BY_NAME, RELATION_BY_NAME
+
+    varied, first = build_world(seed=5, num_entities=60), build_world(seed=5, num_entities=60, phrasing="first")
+    assert varied.facts == first.facts and len(varied.documents) == len(first.documents)  # same world, other words
+    docs = {d.id: d.text for d in first.documents}
+    for f in first.facts:
+        spec = ATTRIBUTE_BY_NAME[f.relation] if f.literal else RELATION_BY_NAME[f.relation]
+        obj = f.object if f.literal else first.name(f.object)
+        sentence = spec.templates[0].format(s=first.name(f.subject), v=obj, o=obj)
+        assert all(sentence in docs[d] for d in first.support[f.id])
+    assert any(t in d.text for d in varied.documents for t in (" is the author of ", " wrote "))
+    assert not any(" is the author of " in d.text for d in first.documents)
+    with pytest.raises(ValueError, match="phrasing"):
+        build_world(seed=5, num_entities=60, phrasing="poetic")
+
+
+def test_sentence_trajectories_and_practice_worlds():
+    from megatron_search.data.demo_tasks import practice_trajectories
+
+    world = build_world(seed=3, num_entities=80, phrasing="first")
+    recs = one_hop_records(world, seed=0)
+    cfg = load_config(None, ["search.max_results=3", "search.snippet_chars=160"])
+    docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
+    tool = SearchTool.from_config(cfg.search, backend=LocalSearchBackend.from_docs(docs))
+    examples, _ = one_hop_sft_examples(recs, tool, answer="sentence")
+    ex = next(e for e in examples if e.id.startswith(next(r.id for r in recs if r.chain[0]["relation"] == "written_by")))
+    rec = next(r for r in recs if r.id == ex.metadata["qa_id"])
+    assert ex.messages[-1]["content"] == f"{rec.metadata['subject']} was written by {rec.answers[0]}."
+
+    practice, clashes = practice_trajectories(world, 2, seed=0, search_cfg=cfg.search, answer="sentence",
+                                              phrasing="first")
+    assert len(practice) > 300 and clashes >= 0
+    assert {p.id.split("-")[0] for p in practice} == {"practice0", "practice1"}
+    names = {e.name for e in world.entities.values()}
+    for p in practice:
+        text = " ".join(m["content"] for m in p.messages[1:])
+        assert not any(n in text for n in names)  # no demo-world fact leaks into training
+        assert p.metadata["answers"][0] in p.messages[-1]["content"] and p.messages[-1]["content"].endswith(".")

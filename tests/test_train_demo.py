@@ -1,6 +1,6 @@
 """`megatron-search demo` end to end with every stage shrunk to a step or two: each stage runs as the
-README says (data, copy warm-up, agent SFT from the warm-up's weights, reward model, GRPO, held-out
-evaluation), a second call skips the finished stages, and the report reads back."""
+README says (data, copy warm-up, reading warm-up, agent SFT from the warm-ups' weights, reward model,
+GRPO, held-out evaluation), a second call skips the finished stages, and the report reads back."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,11 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     from megatron_search.cli import main
 
     out = tmp_path / "demo"
-    # the non-default drills (filler around the copied name, sentence answers) and a warm-up on both kinds
+    # every optional part on: first-template world, sentence answers, a practice world, the reading warm-up
     overrides = ["demo.copy_drills=3000", "demo.reading_drills=1000", "demo.warmup_steps=2", "demo.warmup_batch=8",
-                 "demo.copy_layout=varied", "demo.reading_answer=sentence", "demo.warmup_mix={copy: 0.5, read: 0.5}",
-                 "demo.warmup_seq_length=160",
+                 "demo.answer_style=sentence", "demo.world_phrasing=first", "demo.practice_worlds=1",
+                 "demo.sft_mix={tool: 0.5, practice: 0.3, read: 0.2}", "demo.reading_warmup_steps=2",
+                 "demo.reading_warmup_batch=4", "sft.packing=false", "sft.seq_length=736",
                  "sft.steps=2", "sft.global_batch_size=2", "sft.micro_batch_size=2",
                  "rm.steps=1", "rm.global_batch_pairs=4", "rm.micro_batch_pairs=2",
                  "grpo.steps=1", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
@@ -21,16 +22,23 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
                  "checkpoint.save_interval=1000", "logging.progress_bars=false"]
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     first = capsys.readouterr().out
-    for stage in ("data", "copy warm-up", "SFT", "reward model", "GRPO", "held-out evaluation"):
+    for stage in ("data", "copy warm-up", "reading warm-up", "SFT", "reward model", "GRPO", "held-out evaluation"):
         assert f"[demo] {stage}" in first
-    assert (out / "warmup" / "checkpoints" / "latest").exists() and (out / "sft" / "checkpoints" / "latest").exists()
+    for stage in ("warmup", "reading_warmup", "sft"):
+        assert (out / stage / "checkpoints" / "latest").exists()
     copies = [json.loads(line) for line in (out / "sft_copy.jsonl").open()]
     assert len(copies) == 3000 and copies[0]["messages"][1]["content"] in copies[0]["messages"][0]["content"]
     reads = [json.loads(line) for line in (out / "sft_read.jsonl").open()]
     assert all(r["messages"][1]["content"].endswith(".") and r["metadata"]["answers"][0] in r["messages"][1]["content"]
                for r in reads)
-    warmup_cmd = next(line for line in (out / "demo.log").read_text().splitlines() if "warmup" in line and "sft.datasets" in line)
-    assert "sft_copy.jsonl: 0.5" in warmup_cmd and "sft_read.jsonl: 0.5" in warmup_cmd
+    practice = [json.loads(line) for line in (out / "sft_practice.jsonl").open()]
+    assert len(practice) > 100 and all(r["id"].startswith("practice0-") for r in practice)
+    # each stage starts from the one before: copy warm-up -> reading warm-up -> agent SFT
+    cmds = [line for line in (out / "demo.log").read_text().splitlines() if line.startswith("$ megatron-search sft")]
+    assert len(cmds) == 3
+    assert "checkpoint.load" not in cmds[0] and f"checkpoint.load={out / 'warmup' / 'checkpoints'}" in cmds[1]
+    assert "sft_copy_varied.jsonl: 0.5" in cmds[1] and "sft_read.jsonl: 0.5" in cmds[1]
+    assert f"checkpoint.load={out / 'reading_warmup' / 'checkpoints'}" in cmds[2] and "sft_practice.jsonl: 0.3" in cmds[2]
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}
     for row in rep["heldout"].values():
@@ -39,4 +47,4 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     # Everything is done: a second call runs no stage again and rewrites the same report.
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     again = capsys.readouterr().out
-    assert again.count("done before") == 6 and json.loads((out / "report.json").read_text())["heldout"] == rep["heldout"]
+    assert again.count("done before") == 7 and json.loads((out / "report.json").read_text())["heldout"] == rep["heldout"]

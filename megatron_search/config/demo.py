@@ -1,68 +1,82 @@
 """The embedded CPU demo's curriculum (`megatron-search demo`, train/demo.py).
 
 The stages themselves are configured by the usual sections (`sft`, `optim`, `rm`, `grpo`, ...);
-this section holds what only the demo decides: how many drills it writes, the copy warm-up stage
-that runs before the agent SFT, the SFT mix and GRPO's learning rate. Ours, sized by measurement
+this section holds what only the demo decides: its world's phrasing and answer style, the practice
+worlds and drills it writes, the two warm-up stages that run before the agent SFT (copying, then
+reading), the SFT mix and GRPO's learning rate. Ours, sized by measurement
 for a model trained from scratch on 2 CPU cores (README, "The embedded demo").
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from .base import Section
 
-SFT_PARTS = ("tool", "copy", "read")
-WARMUP_PARTS = ("copy", "read")
+# The demo's SFT files, by the keys the mixes use.
+PARTS = ("tool", "practice", "copy", "copy_varied", "read")
 
 
 class DemoConfig(Section):
-    copy_drills: PositiveInt = Field(20000, description="'Repeat exactly: <invented name>' examples written")
-    copy_layout: Literal["end", "varied"] = Field(
-        "end", description="'end': the name ends the prompt (learnt as a copy from a fixed offset: 0% once anything "
-        "follows it, measured); 'varied': among filler words and a distractor name (data/demo_tasks.copy_drills)")
-    reading_drills: PositiveInt = Field(5000, description="passage + question -> name examples written")
-    reading_answer: Literal["name", "sentence"] = Field(
-        "name", description="reading drills answer with the bare name or restate the fact ('X was written by Y.')")
-    reading_phrasing: Literal["any", "first"] = Field(
-        "any", description="reading drill passages state facts with any template of the relation or the first only")
+    world_phrasing: Literal["any", "first"] = Field(
+        "first", description="the demo world's documents (and the reading drills) state a fact with any template of "
+        "its relation or the first, subject-first one only (data/world.build_world)")
+    answer_style: Literal["name", "sentence"] = Field(
+        "sentence", description="trajectories and reading drills answer with the bare name or restate the fact "
+        "('X was written by Y.', data/demo_tasks.fact_sentence)")
+    practice_worlds: NonNegativeInt = Field(
+        30, description="extra invented worlds whose single-hop trajectories are the 'practice' SFT part "
+        "(~365 each)")
+    tokenizer_practice_sample: PositiveInt = Field(
+        2000, description="practice trajectories among the demo tokenizer's training texts (they repeat the tool "
+        "schema and sentence templates; all of them would only slow the BPE training)")
+    copy_drills: PositiveInt = Field(
+        20000, description="copy drills written per layout: 'copy' ('Repeat exactly: <invented name>') and "
+        "'copy_varied' (the name among filler words and a distractor name; data/demo_tasks.copy_drills)")
+    reading_drills: PositiveInt = Field(5000, description="passage + question -> answer examples written ('read')")
     warmup_steps: NonNegativeInt = Field(
-        500, description="copy warm-up SFT steps on the copy drills before the agent SFT (0: no warm-up); "
-        "copying fresh names: 17% after 300 steps, 77% after 400, 97% after 500 (measured)")
-    warmup_mix: dict[str, float] = Field(
-        default_factory=lambda: {"copy": 1.0},
-        description="warm-up sampling weights of the drill kinds (copy, read); reading drills need "
-        "warmup_seq_length ~128")
+        500, description="copy warm-up SFT steps on the 'copy' drills before the agent SFT (0: no warm-up); "
+        "copying fresh names: 17% after 300 steps, 77% after 400, 97% after 500 (measured), but from a fixed "
+        "offset before the end of the prompt (0% once anything follows the name)")
     warmup_lr: PositiveFloat = Field(2e-3, description="constant LR of the warm-up (after optim.warmup_steps)")
     warmup_batch: PositiveInt = Field(128, description="drills per warm-up step (one per row, unpacked)")
     warmup_seq_length: PositiveInt = Field(
         40, description="row length of the warm-up (a copy drill is 19-33 tokens with the demo tokenizer)")
+    reading_warmup_steps: NonNegativeInt = Field(
+        1600, description="reading warm-up SFT steps after the copy warm-up, on reading_warmup_mix (0: none); "
+        "reading drills answered: 0% after 800 steps, 3/18/33/45% after 1000/1200/1400/1600 (measured)")
+    reading_warmup_mix: dict[str, float] = Field(
+        default_factory=lambda: {"copy_varied": 0.5, "read": 0.5},
+        description="sampling weights of the reading warm-up (keys as sft_mix)")
+    reading_warmup_lr: PositiveFloat = Field(2e-3, description="constant LR of the reading warm-up")
+    reading_warmup_batch: PositiveInt = Field(16, description="drills per reading warm-up step (one per row)")
+    reading_warmup_seq_length: PositiveInt = Field(
+        128, description="row length of the reading warm-up (a reading drill is ~110 tokens)")
     sft_lr: PositiveFloat = Field(
-        5e-4, description="peak LR of the agent SFT after the warm-up; a higher one erases the copying the "
-        "warm-up taught (measured: 2e-3 -> 0% on fresh names)")
-    sft_min_lr: PositiveFloat = Field(5e-5, description="final LR of the agent SFT's cosine schedule")
+        1e-3, description="peak LR of the agent SFT after the warm-ups (2e-3 erased the copy warm-up's copying "
+        "in an earlier curriculum, measured)")
+    sft_min_lr: PositiveFloat = Field(1e-4, description="final LR of the agent SFT's cosine schedule")
     sft_mix: dict[str, float] = Field(
-        default_factory=lambda: {"tool": 0.5, "copy": 0.3, "read": 0.2},
-        description="agent SFT sampling weights of the tool trajectories and the two drill kinds")
+        default_factory=lambda: {"tool": 0.1, "practice": 0.6, "copy_varied": 0.15, "read": 0.15},
+        description=f"agent SFT sampling weights over {', '.join(PARTS)} ('tool': the demo world's trajectories)")
     grpo_lr: PositiveFloat = Field(1e-4, description="constant GRPO learning rate (no warm-up)")
 
-    @field_validator("sft_mix")
+    @field_validator("sft_mix", "reading_warmup_mix")
     @classmethod
     def _known_parts(cls, mix: dict[str, float]) -> dict[str, float]:
-        return _check_mix(mix, SFT_PARTS, "tool")
+        unknown = sorted(set(mix) - set(PARTS))
+        if unknown or not any(w > 0 for w in mix.values()):
+            raise ValueError(f"keys are {', '.join(PARTS)}, at least one with a positive weight")
+        if any(w < 0 for w in mix.values()):
+            raise ValueError("weights must be >= 0")
+        return mix
 
-    @field_validator("warmup_mix")
-    @classmethod
-    def _known_drills(cls, mix: dict[str, float]) -> dict[str, float]:
-        return _check_mix(mix, WARMUP_PARTS, None)
-
-
-def _check_mix(mix: dict[str, float], parts: tuple[str, ...], required: str | None) -> dict[str, float]:
-    unknown = sorted(set(mix) - set(parts))
-    if unknown or (required and not mix.get(required)) or not any(w > 0 for w in mix.values()):
-        need = f" with a positive '{required}' weight" if required else " with a positive weight"
-        raise ValueError(f"keys are {', '.join(parts)}{need}")
-    if any(w < 0 for w in mix.values()):
-        raise ValueError(f"weights must be >= 0 (got {mix})")
-    return mix
+    @model_validator(mode="after")
+    def _parts_exist(self) -> "DemoConfig":
+        if not self.sft_mix.get("tool"):
+            raise ValueError("sft_mix needs a positive 'tool' weight (the demo world's own trajectories)")
+        for name, mix in (("sft_mix", self.sft_mix), ("reading_warmup_mix", self.reading_warmup_mix)):
+            if mix.get("practice", 0) > 0 and not self.practice_worlds:
+                raise ValueError(f"{name} weighs 'practice' trajectories but practice_worlds is 0 (none are written)")
+        return self

@@ -11,7 +11,10 @@ world have the answer in the top 3 results).
 
 Only functional relations are asked (the subject has exactly one object for the relation), so
 the answer is unique. Held-out questions are about subjects that never appear in a training
-question (split by a hash of the subject id).
+question (split by a hash of the subject id). Practice worlds (other seeds, names of the demo
+world filtered out) add trajectories about thousands more invented subjects, and the drills teach
+the two skills on fresh names: copying a name (copy_drills) and reading an answer out of a
+passage (reading_drills).
 """
 from __future__ import annotations
 
@@ -24,8 +27,18 @@ from megatron_search.search.tool import SearchTool, format_results
 
 from .records import QARecord
 from .sft import SYSTEM_PROMPT, SFTExample, _call
-from .world import World
+from .world import PHRASINGS, World
 from .world_schema import ENTITY_TYPES, RELATION_BY_NAME
+
+
+# Words of the world's sentences: the filler around a copy drill's name (layout "varied").
+_FILLER_WORDS = ("the", "a", "of", "in", "is", "was", "by", "at", "to", "and", "for", "with", "from", "that", "this",
+                 "it", "on", "as", "are", "be", "or", "an", "not", "which", "person", "city", "book", "company", "year",
+                 "first", "name", "native")
+_COPY_LAYOUTS = ("{f1} {y} {f2}. Repeat exactly: {x} {f2}", "Repeat exactly: {x}. {f1} {y} {f2}",
+                 "{f1} Repeat exactly: {x} {f2}", "{y} {f1}. Repeat exactly: {x}")
+COPY_LAYOUTS = ("end", "varied")
+DRILL_ANSWERS = ("name", "sentence")
 
 
 def _held_out(entity_id: str, seed: int, fraction: float) -> bool:
@@ -53,10 +66,14 @@ def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2) -> 
     return out
 
 
-def one_hop_sft_examples(records: list[QARecord], tool: SearchTool) -> tuple[list[SFTExample], list[dict]]:
+def one_hop_sft_examples(records: list[QARecord], tool: SearchTool,
+                         answer: str = "name") -> tuple[list[SFTExample], list[dict]]:
     """Trajectories: search the subject's name (a real search_web call with its real results), then
-    answer with the name. A record whose search does not surface the answer is dropped (returned
-    with the reason), never given a made-up tool response."""
+    answer with the name (answer "name") or the fact restated (answer "sentence", fact_sentence). A
+    record whose search does not surface the answer is dropped (returned with the reason), never
+    given a made-up tool response."""
+    if answer not in DRILL_ANSWERS:
+        raise ValueError(f"one_hop_sft_examples: answer must be one of {DRILL_ANSWERS}, got {answer!r}")
     examples, dropped = [], []
     for rec in records:
         query = rec.metadata["query"]
@@ -70,7 +87,8 @@ def one_hop_sft_examples(records: list[QARecord], tool: SearchTool) -> tuple[lis
             {"role": "user", "content": rec.question},
             {"role": "assistant", "content": "", "tool_calls": [_call(query)]},
             {"role": "tool", "name": "search_web", "content": text},
-            {"role": "assistant", "content": rec.answers[0]},
+            {"role": "assistant", "content": rec.answers[0] if answer == "name" else
+             fact_sentence(rec.chain[0]["relation"], rec.metadata["subject"], rec.answers[0])},
         ]
         examples.append(SFTExample(f"{rec.id}-sft", "tool_single", messages, [tool.spec],
                                    metadata={"qa_id": rec.id, "answers": rec.answers}))
@@ -98,17 +116,6 @@ class _FreshNames:
             if low not in self._blob and not (self._pattern and self._pattern.search(low)):
                 return name
         raise RuntimeError(f"could not invent a fresh {etype} name")
-
-
-# Words of the world's sentences: the filler around a copy drill's name (layout "varied").
-_FILLER_WORDS = ("the", "a", "of", "in", "is", "was", "by", "at", "to", "and", "for", "with", "from", "that", "this",
-                 "it", "on", "as", "are", "be", "or", "an", "not", "which", "person", "city", "book", "company", "year",
-                 "first", "name", "native")
-_COPY_LAYOUTS = ("{f1} {y} {f2}. Repeat exactly: {x} {f2}", "Repeat exactly: {x}. {f1} {y} {f2}",
-                 "{f1} Repeat exactly: {x} {f2}", "{y} {f1}. Repeat exactly: {x}")
-COPY_LAYOUTS = ("end", "varied")
-DRILL_ANSWERS = ("name", "sentence")
-DRILL_PHRASINGS = ("any", "first")
 
 
 def copy_drills(world: World, n: int, seed: int = 0, layout: str = "end", max_filler: int = 10) -> list[SFTExample]:
@@ -153,9 +160,9 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name", ph
     with the subject-first one only, which the sentence answer repeats word for word."""
     from .world_schema import RELATIONS
 
-    if answer not in DRILL_ANSWERS or phrasing not in DRILL_PHRASINGS:
+    if answer not in DRILL_ANSWERS or phrasing not in PHRASINGS:
         raise ValueError(f"reading_drills: answer must be one of {DRILL_ANSWERS} and phrasing one of "
-                         f"{DRILL_PHRASINGS}, got {answer!r}, {phrasing!r}")
+                         f"{PHRASINGS}, got {answer!r}, {phrasing!r}")
     rng = random.Random(seed + 104729)
     names = _FreshNames(world, rng)
     out = []
@@ -172,3 +179,32 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name", ph
         messages = [{"role": "user", "content": f"{passage}\n\n{question}"}, {"role": "assistant", "content": reply}]
         out.append(SFTExample(f"read-{seed}-{i}", "instruction", messages, [], metadata={"answers": [o]}))
     return out
+
+
+def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_cfg, answer: str = "name",
+                          phrasing: str = "any") -> tuple[list[SFTExample], int]:
+    """Trajectories over `num_worlds` extra invented worlds (each with its own in-memory index), so
+    the agent SFT sees thousands of subjects instead of the demo world's few hundred training ones
+    and must learn to search and read rather than recall. A trajectory that contains any name of
+    the demo world (even inside a longer word) is dropped (so no demo fact, held out or not, is taught); returns the examples
+    and how many were dropped that way."""
+    from megatron_search.search.local import LocalSearchBackend
+
+    from .world import build_world
+
+    names = sorted({e.name for e in demo_world.entities.values()}, key=len, reverse=True)
+    clash = re.compile("|".join(map(re.escape, names)))  # inside a longer word too: the safe side
+    out, clashes = [], 0
+    for k in range(num_worlds):
+        world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing)
+        docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
+        backend = LocalSearchBackend.from_docs(docs, snippet_chars=search_cfg.snippet_chars)
+        tool = SearchTool.from_config(search_cfg, backend=backend)
+        examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer)
+        for ex in examples:
+            if clash.search(" ".join(m["content"] for m in ex.messages[1:])):
+                clashes += 1
+                continue
+            ex.id = f"practice{k}-{ex.id}"
+            out.append(ex)
+    return out, clashes

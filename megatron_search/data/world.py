@@ -152,12 +152,20 @@ def _value(attr, rng: random.Random) -> str:
     return f"{rng.choice(MONTHS)} {year}" if attr.kind == "month_year" else str(year)
 
 
-def _render(fact: Fact, world_names: dict[str, str], rng: random.Random) -> str:
+PHRASINGS = ("any", "first")
+
+
+def _render(fact: Fact, world_names: dict[str, str], rng: random.Random, phrasing: str = "any") -> str:
+    """The fact as a sentence, with a random template of its relation (phrasing "any") or the first
+    one (phrasing "first"; the random draw still happens, so the rest of the world is the same)."""
+    spec = next(a for a in ATTRIBUTES if a.name == fact.relation) if fact.literal else \
+        next(r for r in RELATIONS if r.name == fact.relation)
+    template = rng.choice(spec.templates)
+    if phrasing == "first":
+        template = spec.templates[0]
     if fact.literal:
-        attr = next(a for a in ATTRIBUTES if a.name == fact.relation)
-        return rng.choice(attr.templates).format(s=world_names[fact.subject], v=fact.object)
-    rel = next(r for r in RELATIONS if r.name == fact.relation)
-    return rng.choice(rel.templates).format(s=world_names[fact.subject], o=world_names[fact.object])
+        return template.format(s=world_names[fact.subject], v=fact.object)
+    return template.format(s=world_names[fact.subject], o=world_names[fact.object])
 
 
 def _slug(name: str) -> str:
@@ -166,10 +174,13 @@ def _slug(name: str) -> str:
 
 def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
                 single_source_fraction: float = 0.1, rumor_fraction: float = 0.05,
-                filler_docs: int = 100, progress: bool = False) -> World:
+                filler_docs: int = 100, progress: bool = False, phrasing: str = "any") -> World:
     """Generate the world. Every fact is stated by >= min_sources documents on distinct sites except
     a `single_source_fraction` of them (stated once); `rumor_fraction` x #facts rumour posts each
-    assert one wrong attribute value once."""
+    assert one wrong attribute value once. `phrasing`: documents state a fact with any of its
+    templates ("any") or always the first, subject-first one ("first": the CPU demo's easier world)."""
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"phrasing must be one of {PHRASINGS}, got {phrasing!r}")
     if min_sources < 2 or min_sources > len(_SITES):
         raise ValueError(f"min_sources must be in [2, {len(_SITES)}], got {min_sources}")
     if num_entities < 30:
@@ -224,7 +235,7 @@ def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
         sentences = [rng.choice(TYPE_TEMPLATES).format(s=ent.name, article=article, noun=noun)]
         rng.shuffle(fids)
         for fid in fids:
-            sentences.append(_render(fact_by_id[fid], names_by_id, rng))
+            sentences.append(_render(fact_by_id[fid], names_by_id, rng, phrasing))
         did = f"d{len(documents):06d}"
         documents.append(Document(did, f"{ent.name} - {site.split('.')[0]}", f"https://{site}/{_slug(ent.name)}",
                                   " ".join(sentences)))
