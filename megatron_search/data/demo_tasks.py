@@ -151,7 +151,8 @@ def fact_sentence(relation: str, subject: str, obj: str) -> str:
     return RELATION_BY_NAME[relation].templates[0].format(s=subject, o=obj)
 
 
-def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name", phrasing: str = "any") -> list[SFTExample]:
+def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
+                   phrasing: str = "any") -> list[SFTExample]:
     """ "<3 sentences stating facts> Which person wrote X?" -> the person the passage names, on
     freshly invented names: reading the answer to a question out of a passage, as from results.
 
@@ -186,8 +187,8 @@ def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_
     """Trajectories over `num_worlds` extra invented worlds (each with its own in-memory index), so
     the agent SFT sees thousands of subjects instead of the demo world's few hundred training ones
     and must learn to search and read rather than recall. A trajectory that contains any name of
-    the demo world (even inside a longer word) is dropped (so no demo fact, held out or not, is taught); returns the examples
-    and how many were dropped that way."""
+    the demo world (even inside a longer word) is dropped, so no demo fact, held out or not, is
+    taught; returns the examples and how many were dropped that way."""
     from megatron_search.search.local import LocalSearchBackend
 
     from .world import build_world

@@ -59,18 +59,18 @@ class Demo:
 
     def paths(self) -> dict[str, Path]:
         o = self.out
-        return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "sft_tool": o / "sft_tool.jsonl",
-                "sft_practice": o / "sft_practice.jsonl",
-                "sft_copy": o / "sft_copy.jsonl",
-                "sft_copy_varied": o / "sft_copy_varied.jsonl", "sft_read": o / "sft_read.jsonl", "tokenizer": o / "tokenizer.json",
-                "warmup": o / "warmup", "reading_warmup": o / "reading_warmup", "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
+        return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "tokenizer": o / "tokenizer.json",
+                "sft_tool": o / "sft_tool.jsonl", "sft_practice": o / "sft_practice.jsonl",
+                "sft_copy": o / "sft_copy.jsonl", "sft_copy_varied": o / "sft_copy_varied.jsonl",
+                "sft_read": o / "sft_read.jsonl", "warmup": o / "warmup", "reading_warmup": o / "reading_warmup",
+                "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
 
     def common(self) -> list[str]:
         p = self.paths()
         return [f"model.tokenizer={p['tokenizer']}", f"search.index_dir={p['index']}", *self.overrides]
 
     def _mix(self, weights: dict[str, float]) -> str:
-        """`sft.datasets` override for a {tool|copy|read: weight} mix of the demo's SFT files."""
+        """`sft.datasets` override for a {part: weight} mix of the demo's SFT files (config.demo.PARTS)."""
         p = self.paths()
         files = {"tool": p["sft_tool"], "practice": p["sft_practice"], "copy": p["sft_copy"],
                  "copy_varied": p["sft_copy_varied"], "read": p["sft_read"]}
@@ -149,7 +149,7 @@ class Demo:
     def reading_warmup(self) -> None:
         """Reading warm-up, from the copy warm-up's weights: copy drills with the name anywhere and
         reading drills, small batches for many steps (the skill appears late and abruptly: 0% of
-        reading drills up to step 600, 45% at 800, measured)."""
+        reading drills after 800 steps, 45% after 1,600, measured)."""
         p, d = self.paths(), self.curriculum
         _cli(["sft", self.config, *self.common(), f"run.output_dir={p['reading_warmup']}",
               f"sft.datasets={self._mix(d.reading_warmup_mix)}",
