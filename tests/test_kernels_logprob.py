@@ -74,11 +74,12 @@ def test_tiles_smaller_than_vocab_and_many_rows(backend):
     assert (lse - torch.logsumexp(logits.double(), -1)).abs().max() <= 1e-5
     assert (logp - lp64).abs().max() <= 1e-5 and (entropy - h64).abs().max() <= 1e-5
     grad = torch.empty_like(logits)
-    g = torch.randn(rows)
+    g = torch.randn(rows, generator=torch.Generator().manual_seed(3))
     impl.write_grad(logits, grad, targets, 0, lse, None, g, None, block_rows=8, block_cols=64)
     expected = -torch.softmax(logits.double(), -1) * g[:, None].double()
     expected[torch.arange(rows), targets] += g.double()
-    assert (grad - expected).abs().max() <= 1e-6
+    # float32 rounding of g * (softmax - onehot): the absolute error grows with |g| (1.6e-6 seen at |g| ~ 2)
+    assert (grad - expected).abs().max() <= 1e-6 * max(1.0, g.abs().max().item())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
