@@ -22,6 +22,7 @@ import hashlib
 import random
 import re
 from collections import Counter
+from dataclasses import asdict
 
 from megatron_search.search.tool import SearchTool, format_results
 
@@ -198,8 +199,7 @@ def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_
     out, clashes = [], 0
     for k in range(num_worlds):
         world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing)
-        docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
-        backend = LocalSearchBackend.from_docs(docs, snippet_chars=search_cfg.snippet_chars)
+        backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], search_cfg.snippet_chars)
         tool = SearchTool.from_config(search_cfg, backend=backend)
         examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer)
         for ex in examples:

@@ -22,7 +22,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .jsonl import atomic_write_json, read_jsonl, write_jsonl
-from .world_schema import ATTRIBUTES, ENTITY_TYPES, MONTHS, RELATIONS, TYPE_TEMPLATES
+from .world_schema import (ATTRIBUTE_BY_NAME, ATTRIBUTES, ENTITY_TYPES, MONTHS, RELATION_BY_NAME, RELATIONS,
+                           TYPE_TEMPLATES)
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st",
            "t", "tr", "v", "vr", "z", "th", "sh"]
@@ -158,8 +159,7 @@ PHRASINGS = ("any", "first")
 def _render(fact: Fact, world_names: dict[str, str], rng: random.Random, phrasing: str = "any") -> str:
     """The fact as a sentence, with a random template of its relation (phrasing "any") or the first
     one (phrasing "first"; the random draw still happens, so the rest of the world is the same)."""
-    spec = next(a for a in ATTRIBUTES if a.name == fact.relation) if fact.literal else \
-        next(r for r in RELATIONS if r.name == fact.relation)
+    spec = ATTRIBUTE_BY_NAME[fact.relation] if fact.literal else RELATION_BY_NAME[fact.relation]
     template = rng.choice(spec.templates)
     if phrasing == "first":
         template = spec.templates[0]

@@ -167,7 +167,8 @@ class Demo:
 
     def sft(self) -> None:
         p, d = self.paths(), self.curriculum
-        start = [*self._start(), f"optim.lr={d.sft_lr}", f"optim.min_lr={d.sft_min_lr}"] if self._start() else []
+        load = self._start()
+        start = [*load, f"optim.lr={d.sft_lr}", f"optim.min_lr={d.sft_min_lr}"] if load else []
         _cli(["sft", self.config, *self.common(), f"run.output_dir={p['sft']}", f"sft.datasets={self._mix(d.sft_mix)}",
               *start], self.log)
 
