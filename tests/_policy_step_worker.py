@@ -34,6 +34,7 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
     from megatron_search.models import reshard
     from megatron_search.models.provider import build_model_chunks
     from megatron_search.rl.registry import build_policy_loss
+    from megatron_search.train.grpo import training_temperature
     from megatron_search.train.policy_step import policy_update
     from megatron_search.train.rollout_batch import RolloutBatch
 
@@ -42,9 +43,10 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
     full = reshard.full_state(chunks[0])
     vocab = cfg.model.architecture.vocab_size
     inputs, targets, mask, delta, adv = _data(vocab)
-    with torch.no_grad():  # reference log pi of the targets, float64, from a plain forward
+    temperature = training_temperature(cfg.rollout)
+    with torch.no_grad():  # reference log pi of the targets (at the sampling temperature), float64
         pos = torch.arange(S).unsqueeze(0).expand(B, S)
-        logits = chunks[0](inputs, pos, None).double()
+        logits = chunks[0](inputs, pos, None).double() / cfg.rollout.temperature
         logp_ref = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     batch = RolloutBatch(inputs, targets, (logp_ref - delta).float(), mask, adv)
     results = {}
@@ -54,7 +56,7 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)
         opt = make_optimizer(cfg, ddp)
         (m,) = policy_update(ddp, opt, batch, policy_loss=build_policy_loss(cfg.grpo),
-                             aggregation=cfg.grpo.loss_aggregation, micro_batch_size=mbs)
+                             aggregation=cfg.grpo.loss_aggregation, micro_batch_size=mbs, temperature=temperature)
         results[str(mbs)] = {"loss": m["loss"], "grad_norm": m["grad_norm"]}
     # Independent float64 value of the recipe's objective: r = pi/mu = exp(delta).
     r = torch.exp(delta.double())

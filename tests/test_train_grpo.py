@@ -72,3 +72,13 @@ def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):
     run_spawned(grpo_worker, 2, layouts, fx, str(tmp_path))
     for name, _ in layouts:
         check_run(tmp_path / name, 2)
+
+
+def test_greedy_rollouts_are_refused():
+    """rollout.temperature=0 would make every rollout of a group the same: refused before any work."""
+    from megatron_search.config import load_config
+    from megatron_search.train.grpo import GRPORun
+
+    cfg = load_config(None, ["rollout.temperature=0"])
+    with pytest.raises(ValueError, match="rollout.temperature=0"):
+        GRPORun(cfg, ctx=None)

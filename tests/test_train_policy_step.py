@@ -1,18 +1,22 @@
 """GRPO policy step on Megatron (1 process): the loss equals the recipe's objective computed
-independently in float64, and micro-batching does not change the loss or the gradient norm."""
+independently in float64, and micro-batching does not change the loss or the gradient norm; at a
+sampling temperature T the engine's logprobs are of logits / T, and so are the trained ones."""
 import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def test_policy_update_matches_float64_objective(tmp_path):
+@pytest.mark.parametrize("overrides", [[], ["rollout.temperature=0.7"]], ids=["T1", "T0.7"])
+def test_policy_update_matches_float64_objective(tmp_path, overrides):
     from _mp import run_spawned
     from _policy_step_worker import worker
 
     out = tmp_path / "r.json"
-    run_spawned(worker, 1, [], str(out))
+    run_spawned(worker, 1, overrides, str(out))
     r = json.loads(out.read_text())
     exp = r["expected_loss"]
     for mbs in ("4", "1"):

@@ -51,6 +51,9 @@ class GRPORun:
         from .core import Trainer
 
         self.cfg, self.ctx = cfg, ctx
+        if cfg.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 samples greedily: the G rollouts of a group would be identical "
+                             "and carry no signal; GRPO needs a temperature > 0")
         if cfg.grpo.routing_replay and cfg.model.recompute != "none":
             raise ValueError("grpo.routing_replay: replaying the engine's experts inside activation recomputation "
                              "is not wired yet; use model.recompute=none with routing replay")
@@ -172,7 +175,8 @@ class GRPORun:
         history = policy_update(self.trainer.ddp, self.trainer.optimizer, local, policy_loss=self.policy_loss,
                                 aggregation=self.cfg.grpo.loss_aggregation,
                                 micro_batch_size=self.cfg.grpo.micro_batch_size,
-                                updates=self.cfg.grpo.updates_per_batch, replay=self.cfg.grpo.routing_replay)
+                                updates=self.cfg.grpo.updates_per_batch, replay=self.cfg.grpo.routing_replay,
+                                temperature=training_temperature(self.cfg.rollout))
         self.trainer.iteration += 1
         dt = time.perf_counter() - t0
         out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}
@@ -180,6 +184,13 @@ class GRPORun:
         out["time/train_s"] = dt
         out["perf/train_tokens_per_s"] = float(batch.mask_BS.sum()) / max(dt, 1e-9)
         return out
+
+
+def training_temperature(rollout_cfg) -> float:
+    """The temperature log pi_train is computed at: the engine's sampling temperature, because the
+    engine reports logprobs of logits / T (so the IS ratio compares one distribution); 1.0 when the
+    engine reports raw-logit logprobs (rollout.return_original_logprob)."""
+    return 1.0 if rollout_cfg.return_original_logprob else rollout_cfg.temperature
 
 
 def _signal_groups(adv: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

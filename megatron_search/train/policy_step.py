@@ -35,8 +35,11 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
 
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
                       logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
-                      replay=None, agreement=None):
+                      replay=None, agreement=None, temperature: float = 1.0):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
+
+    `temperature`: the logits are divided by it before the log-softmax, so log pi_train is of the
+    distribution the engine sampled from and reported (logits / T); 1.0 leaves them untouched.
 
     With `capture` (forward-only passes), the detached log pi of every micro-batch is appended to it
     and the loss is zero: used to compute pi_old before several optimizer steps on one batch.
@@ -68,7 +71,10 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
 
         def loss_func(output: torch.Tensor):
             # The logits are read by nothing after this loss, so their gradient is written into their
-            # own storage (no second [B, S, V] buffer: 2 GB at 4k tokens x 248k vocab in bf16).
+            # own storage (no second [B, S, V] buffer: 2 GB at 4k tokens x 248k vocab in bf16). For the
+            # same reason they are scaled in place: autograd keeps no copy of a tensor divided by a scalar.
+            if temperature != 1.0:
+                output = output.div_(temperature)
             out = token_logprobs(output, mb.targets_BS, group=tp_group, inplace_backward=capture is None)
             if capture is not None:
                 capture.append(out.logp.detach().float())
@@ -143,12 +149,14 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
 
 
 def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: Callable, aggregation: str,
-                  micro_batch_size: int, updates: int = 1, replay: bool = True) -> list[dict[str, float]]:
+                  micro_batch_size: int, updates: int = 1, replay: bool = True,
+                  temperature: float = 1.0) -> list[dict[str, float]]:
     """`updates` optimizer steps on this data-parallel rank's share of a rollout batch.
 
     With updates > 1 the batch is split into that many equal parts (one optimizer step each) and
     pi_old is the policy before the first step (computed once, forward only), so PPO clipping
     applies from the second part on; with updates == 1 the loss is the plain token-IS objective.
+    `temperature` scales the logits as the engine's sampling did (make_forward_step).
     Returns one metrics dict per optimizer step (identical on every rank).
     """
     from megatron.core import parallel_state as ps
@@ -172,20 +180,21 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
         agreement = where
     try:
         return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay_ctl, agreement, tp_group,
-                        dp_group, pp_group, dp, last)
+                        dp_group, pp_group, dp, last, temperature)
     finally:
         if replay_ctl is not None:
             replay_ctl.clear()
 
 
 def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, agreement, tp_group, dp_group,
-             pp_group, dp, last) -> list[dict[str, float]]:
+             pp_group, dp, last, temperature) -> list[dict[str, float]]:
     if len(mbs) % updates:
         raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
     logp_old: Optional[list[torch.Tensor]] = None
     if updates > 1:
         captured: list[torch.Tensor] = []
-        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured, replay=replay)
+        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured, replay=replay,
+                               temperature=temperature)
         with torch.no_grad():
             run_schedule(chunks, fs, mbs, forward_only=True)
         # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
@@ -200,7 +209,7 @@ def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, 
             continue  # no trained token anywhere in this part: nothing to learn from
         old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
         fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old,
-                               replay=replay, agreement=agreement)
+                               replay=replay, agreement=agreement, temperature=temperature)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
