@@ -149,3 +149,57 @@ def test_interrupted_run_resumes_without_reasking(tmp_path, tok):
     # results made under other settings are never mixed in
     with pytest.raises(ValueError, match="setting temperature: 0.6 on file, 1.0 now"):
         run(tmp_path, tok, ScriptedEngine(Policy(tok)), out, concurrency=1, temperature=1.0)
+
+
+class Alternating(Policy):
+    """Searches on odd episodes (then answers with the first result's title), declines on even ones."""
+
+    def __call__(self, ids):
+        text = self.tok.decode(ids)
+        if text.count("<|im_start|>assistant") == 1 and self.episodes % 2 == 1:
+            self.episodes += 1
+            return self.tok.encode(ABSTAIN + "<|im_end|>")
+        return super().__call__(ids)
+
+
+def test_samples_average_episodes_with_their_own_seeds(tmp_path, tok):
+    from megatron_search.eval.sweep import EvalJob, example_seed
+
+    enc = ChatEncoder(tok, ChatFormat("qwen3"))
+
+    def run_k(k, engine, out):
+        cfg = load_config(None, ["eval.max_new_tokens=256", "rollout.concurrency=1", f"eval.samples={k}"])
+        return evaluate(cfg, {"policy": engine}, [BenchmarkSpec("records", str(write_set(tmp_path)), "test")], out,
+                        backend=LocalSearchBackend.from_docs(DOCS), encoder=enc, budgets=[1], language=False,
+                        progress=False)
+
+    policy = Alternating(tok)
+    engine = ScriptedEngine(policy)
+    rep = run_k(2, engine, tmp_path / "k2")
+    # one job per (example, sample), samples of an example in a row: sample 0 searches (3 of 4 examples have
+    # a document whose title is the answer), sample 1 declines -> 3 correct of 8 episodes
+    assert rep["budget_curve"]["policy"]["demo"][1]["accuracy"] == 3 / 8
+    rows = list(ResultStore(tmp_path / "k2" / "results.jsonl").rows(variant="budget"))
+    assert sorted((r["id"], r["sample"]) for r in rows) == [(i, s) for i, *_ in QA for s in (0, 1)]
+    first = [r for r in engine.requests if tok.decode(list(r.input_ids)).count("<|im_start|>assistant") == 1]
+    assert len(first) == 8 and len({r.sampling.seed for r in first}) == 8
+    # sample 0 keeps the seed of a single-sample run; later samples get their own
+    ex = load_benchmark_examples(tmp_path)
+    s0 = example_seed(0, EvalJob(ex[0], "budget", 1))
+    s1 = example_seed(0, EvalJob(ex[0], "budget", 1, sample=1))
+    single = ScriptedEngine(Policy(tok))
+    run_k(1, single, tmp_path / "k1")
+    turn_seed = lambda r: r.sampling.seed // 1000  # noqa: E731 (the agent seeds turn t with seed * 1000 + t)
+    assert turn_seed(single.requests[0]) == s0 == turn_seed(engine.requests[0])
+    assert s1 != s0
+    # raising k on the same directory runs only the new samples
+    more = Policy(tok)
+    rep3 = run_k(3, ScriptedEngine(more), tmp_path / "k2")
+    assert more.episodes == 4 and rep3["status"]["policy"]["skipped"] == 8
+    assert rep3["budget_curve"]["policy"]["demo"][1]["accuracy"] == 6 / 12
+
+
+def load_benchmark_examples(tmp_path):
+    from megatron_search.eval.benchmarks import load_benchmark
+
+    return load_benchmark("records", write_set(tmp_path), split="test")

@@ -19,6 +19,9 @@ class EvalConfig(Section):
     max_results: PositiveInt = Field(10, description="results per search_web call (RECIPE 8)")
     max_new_tokens: PositiveInt = Field(8192, description="output tokens per example (RECIPE 8)")
     temperature: NonNegativeFloat = Field(0.6, description="sampling temperature (RECIPE 8)")
+    samples: PositiveInt = Field(
+        1, description="episodes per example (and budget), each with its own sampling seed; accuracy and the other "
+        "means average over them (avg@k, for small sets; ours)")
     limit: NonNegativeInt = Field(0, description="examples per benchmark; 0 = all")
     seed: int = Field(0, description="seed of the deterministic sub-sampling and of per-example sampling seeds")
     grader: Literal["substring", "exact", "llm"] = Field(

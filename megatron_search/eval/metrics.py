@@ -160,7 +160,7 @@ def sbs_rows(rows: Sequence[dict], candidate: str, baseline: str, variant: str =
     A missing final answer is the empty string (as in the GRPO preference score).
     """
     def index(model: str) -> dict:
-        return {(r["benchmark"], r["id"]): r for r in rows
+        return {(r["benchmark"], r["id"], r.get("sample", 0)): r for r in rows
                 if r["model"] == model and r["variant"] == variant and r["budget"] == budget}
 
     cand, base = index(candidate), index(baseline)

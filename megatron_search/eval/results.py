@@ -1,4 +1,6 @@
-"""The append-only results file of an eval run: one JSON line per finished (model, set, variant, b, example).
+"""The append-only results file of an eval run: one JSON line per finished (model, set, variant, b, example,
+sample); `sample` (eval.samples > 1: the k-th episode of that example) is left out of the key when 0,
+so result files written before it existed read unchanged.
 
 Each result is appended and fsync'ed as soon as its example is graded, so an interrupted run
 loses at most the examples in flight; a re-run reads the file and asks only what is missing.
@@ -20,8 +22,14 @@ log = logging.getLogger(__name__)
 KEY_FIELDS = ("model", "benchmark", "variant", "budget", "id")
 
 
-def result_key(model: str, benchmark: str, variant: str, budget: Optional[int], example_id: str) -> str:
-    return json.dumps([model, benchmark, variant, budget, example_id], ensure_ascii=False)
+def result_key(model: str, benchmark: str, variant: str, budget: Optional[int], example_id: str,
+               sample: int = 0) -> str:
+    fields = [model, benchmark, variant, budget, example_id] + ([sample] if sample else [])
+    return json.dumps(fields, ensure_ascii=False)
+
+
+def row_key(row: dict) -> str:
+    return result_key(*(row[k] for k in KEY_FIELDS), row.get("sample", 0))
 
 
 class ResultStore:
@@ -41,7 +49,7 @@ class ResultStore:
                 continue
             try:
                 row = json.loads(line)
-                key = result_key(*(row[k] for k in KEY_FIELDS))
+                key = row_key(row)
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{self.path}:{lineno}: not an eval result line ({e})") from None
             self._rows[key] = row
@@ -58,7 +66,7 @@ class ResultStore:
 
     def add(self, row: dict) -> None:
         """Append one result (durably) and index it; a key already present is an error (no double counting)."""
-        key = result_key(*(row[k] for k in KEY_FIELDS))
+        key = row_key(row)
         if key in self._rows:
             raise ValueError(f"{self.path}: result {key} is already recorded")
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -187,9 +187,11 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
         withheld_tool = SearchTool(LocalSearchBackend.from_docs(kept, cfg.search.snippet_chars), ec.max_results,
                                    cfg.search.max_query_chars, ec.max_calls)
     settings = AgentSettings.for_eval(cfg)
-    jobs_main = budget_jobs(examples, budgets) if "budget" in variants else []
-    jobs_none = [EvalJob(e, "tool_choice_none", None, "none") for e in examples] if "tool_choice_none" in variants else []
-    jobs_abst = [EvalJob(e, "abstention", None) for e in examples] if "abstention" in variants else []
+    k = range(ec.samples)
+    jobs_main = budget_jobs(examples, budgets, ec.samples) if "budget" in variants else []
+    jobs_none = ([EvalJob(e, "tool_choice_none", None, "none", s) for e in examples for s in k]
+                 if "tool_choice_none" in variants else [])
+    jobs_abst = [EvalJob(e, "abstention", None, sample=s) for e in examples for s in k] if "abstention" in variants else []
     status = {}
 
     async def run_model(name: str, spec: ModelSpec) -> dict:

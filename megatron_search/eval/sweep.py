@@ -9,6 +9,10 @@ Variants (the `variant` field of a result): "budget" (the sweep, one result per 
 (evidence withheld from the index, default call limit), "tool_choice_none" (tools listed but
 disabled; any call is a broken tool_choice_none call).
 
+With eval.samples = k > 1 every (example, variant, b) runs k episodes with their own sampling seeds
+(the `sample` field, 0..k-1); the report's means are over all of them (avg@k), which narrows the
+sampling noise of a small set (sample 0 keeps the seed a single-sample run uses).
+
 Tokens per example, as a provider would bill them without prompt caching: tokens_in sums the
 input length of every model turn (the whole transcript so far), tokens_out the sampled tokens.
 """
@@ -39,20 +43,22 @@ class EvalJob:
     variant: str = "budget"
     budget: Optional[int] = None  # None: the tool's default call limit (eval.max_calls)
     tool_choice: str = "auto"
+    sample: int = 0  # which of the eval.samples episodes of this example
 
     def key(self, model: str) -> str:
-        return result_key(model, self.example.benchmark, self.variant, self.budget, self.example.id)
+        return result_key(model, self.example.benchmark, self.variant, self.budget, self.example.id, self.sample)
 
 
-def budget_jobs(examples: Sequence[EvalExample], budgets: Sequence[int]) -> list[EvalJob]:
+def budget_jobs(examples: Sequence[EvalExample], budgets: Sequence[int], samples: int = 1) -> list[EvalJob]:
     if any(b < 0 for b in budgets):
         raise ValueError(f"budgets must be >= 0, got {list(budgets)}")
-    return [EvalJob(e, "budget", b) for b in budgets for e in examples]
+    return [EvalJob(e, "budget", b, sample=k) for b in budgets for e in examples for k in range(samples)]
 
 
 def example_seed(seed: int, job: EvalJob) -> int:
-    """A per-example sampling seed, stable across runs and resumes."""
-    h = hashlib.sha256(f"{seed}:{job.example.benchmark}:{job.example.id}:{job.variant}:{job.budget}".encode())
+    """A per-example (and per-sample) sampling seed, stable across runs and resumes."""
+    extra = f":{job.sample}" if job.sample else ""
+    h = hashlib.sha256(f"{seed}:{job.example.benchmark}:{job.example.id}:{job.variant}:{job.budget}{extra}".encode())
     return int.from_bytes(h.digest()[:4], "big") >> 1
 
 
@@ -67,7 +73,7 @@ def result_row(model: str, job: EvalJob, r: Rollout, grade) -> dict:
     ex = job.example
     return {
         "model": model, "benchmark": ex.benchmark, "variant": job.variant, "budget": job.budget, "id": ex.id,
-        "tool_choice": job.tool_choice, "question": ex.question, "answers": list(ex.answers),
+        "tool_choice": job.tool_choice, "sample": job.sample, "question": ex.question, "answers": list(ex.answers),
         "prediction": r.final_answer, "stop_reason": r.stop_reason, **grade.to_dict(),
         "tool_calls": r.tool_calls, "failed_calls": r.failed_executions, "broken": dict(r.broken_calls),
         "queries": list(r.metadata.get("queries", [])), "turns": sum(s.source == "model" for s in r.segments),
