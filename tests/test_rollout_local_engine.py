@@ -237,3 +237,24 @@ def test_top_p_keeps_the_nucleus_only():
     assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04  # renormalised inside the nucleus
     # the reported logprob is of the full (temperature-scaled) distribution, not the truncated one
     assert {round(lp, 5) for t, lp in draws if t == 0} == {round(float(np.log(0.5)), 5)}
+
+
+def test_cached_states_own_their_memory(qwen3):
+    """A finished request's state is kept for reuse; decoded rows are views into the batch's cache, so the
+    kept copy must own its storage (else every entry pins the whole batch: B times its size)."""
+    run(qwen3.flush_cache())
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=8, seed=i), return_routed_experts=True)
+            for i, p in enumerate(prompts(8, seed=5))]
+
+    async def go():
+        return await asyncio.gather(*(qwen3.generate(r) for r in reqs))
+
+    run(go())
+    kept = list(qwen3.prefix._entries.values())
+    assert len(kept) >= 8
+    for state in kept:
+        for k, v in state.layers:
+            for t in (k, v):
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert all(e.base is None for e in state.experts)
+        assert len(state.routed_experts()) == len(state.tokens)

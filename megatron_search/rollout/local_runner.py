@@ -64,6 +64,13 @@ class SeqState:
         self.experts = [all_NLK]
         return all_NLK[start:]
 
+    def owned(self) -> "SeqState":
+        """A copy that owns its memory. A decoded state's rows are views into the whole batch's cache
+        (and its experts into the batch's router output), so keeping it would keep the batch alive:
+        B times its own size (a 64-request eval grew the engine to 21 GB this way)."""
+        experts = [self.routed_experts().copy()] if self.experts else []
+        return SeqState(list(self.tokens), [(k.clone(), v.clone()) for k, v in self.layers], experts)
+
 
 class PrefixStore:
     """LRU of sequence states for reuse by later requests (next turns, shared prompts).
@@ -86,6 +93,7 @@ class PrefixStore:
     def put(self, state: SeqState) -> None:
         if self.max_entries == 0 or not state.tokens:
             return
+        state = state.owned()
         key = tuple(state.tokens)
         self._entries[key] = state
         self._entries.move_to_end(key)
