@@ -203,3 +203,17 @@ def load_benchmark_examples(tmp_path):
     from megatron_search.eval.benchmarks import load_benchmark
 
     return load_benchmark("records", write_set(tmp_path), split="test")
+
+
+def test_standard_variant_states_no_budget(tmp_path, tok):
+    """The standard protocol: the training prompt (no budget sentence), the tool's default call limit."""
+    engine = ScriptedEngine(Policy(tok))
+    rep = run(tmp_path, tok, engine, tmp_path / "std", variants=("standard",), budgets=())
+    std = rep["deployment"]["policy"]["standard"]["demo"]
+    # no budget sentence reaches the policy, so it searches twice; 3 of 4 questions have a document
+    assert std["accuracy"] == 0.75 and std["mean_tool_calls"] == 2.0 and std["n"] == 4
+    assert not any("budget" in tok.decode(list(r.input_ids)) for r in engine.requests)
+    assert rep["budget_curve"] == {}
+    rows = list(ResultStore(tmp_path / "std" / "results.jsonl").rows())
+    assert {(r["variant"], r["budget"]) for r in rows} == {("standard", None)}
+    assert "demo: accuracy, no stated budget" in (tmp_path / "std" / "report.md").read_text()

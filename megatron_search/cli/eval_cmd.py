@@ -3,7 +3,7 @@
     megatron-search eval [config] [key=value ...] --model NAME=SPEC [--model ...] \\
         [--records qa.jsonl --split test] [--simpleqa simple_qa_test_set.csv] [--frames test.tsv] \\
         [--facts facts.jsonl] --index runs/index --out runs/eval [--budgets 0-10] [--limit N] \\
-        [--variants budget,abstention,tool_choice_none] [--price NAME=PRICE_ROW] [--sbs-baseline NAME]
+        [--variants budget,standard,abstention,tool_choice_none] [--price NAME=PRICE_ROW] [--sbs-baseline NAME]
 
 SPEC is an engine URL (http://host:port: SGLang or `megatron-search` local engine server) or an
 HF checkpoint directory (run in process on CPU). Defaults come from the `eval` config section
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory (results.jsonl, report, plots); reused = resume")
     p.add_argument("--budgets", default=None, help="e.g. 0-10 or 0,1,4 (default eval.budgets)")
     p.add_argument("--limit", type=int, default=None, help="examples per benchmark (deterministic sub-sample)")
-    p.add_argument("--variants", default="budget", help="comma list of budget, abstention, tool_choice_none")
+    p.add_argument("--variants", default="budget", help="comma list of budget, standard, abstention, tool_choice_none")
     p.add_argument("--price", action="append", default=[], metavar="NAME=ROW", help="price-table row of a model")
     p.add_argument("--sbs-baseline", default=None, help="model NAME whose answers the others are compared with")
     p.add_argument("--no-language", action="store_true", help="skip the language-mismatch metric")

@@ -73,6 +73,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {model} | broken tool calls / call (all classes) | {_fmt(btc['broken_total_rate'], True)}% |")
                 for k, v in btc["rate_per_call"].items():
                     lines.append(f"| {model} | broken: {k} | {_fmt(v, True)}% |")
+            for bench, s in d.get("standard", {}).items():
+                lines.append(f"| {model} | {bench}: accuracy, no stated budget (<= max_calls calls) | "
+                             f"{_fmt(s['accuracy'], True)}% ({s['mean_tool_calls']:.2f} calls, n={s['n']}) |")
             if "tool_choice_none" in d:
                 lines.append(f"| {model} | tool_choice=none episodes that called a tool | "
                              f"{_fmt(d['tool_choice_none']['episodes_calling'], True)}% |")

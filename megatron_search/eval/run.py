@@ -28,11 +28,11 @@ from megatron_search.search.tool import SearchTool
 from .benchmarks import EvalExample, load_benchmark, write_examples
 from .cost import load_prices
 from .graders import build_grader
-from .metrics import (LanguageID, abstention, broken_tool_calls, budget_curve, language_mismatch, sbs_metric,
-                      sbs_rows, tool_choice_none_rate, withhold_evidence)
+from .metrics import (LanguageID, abstention, broken_tool_calls, budget_curve, group, language_mismatch, sbs_metric,
+                      sbs_rows, summarize, tool_choice_none_rate, withhold_evidence)
 from .report import add_costs, build_report, write_outputs
 from .results import ResultStore
-from .sweep import EvalJob, budget_jobs, run_jobs
+from .sweep import VARIANTS, EvalJob, budget_jobs, run_jobs
 
 log = logging.getLogger(__name__)
 ModelSpec = Union[Engine, str]
@@ -145,7 +145,8 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
                          language: bool = True, tensorboard: bool = True, progress: bool = True) -> dict:
     """Run (or resume) the eval and write the report; returns the report dict (see module docstring).
 
-    variants: any of "budget" (the b sweep), "abstention", "tool_choice_none". prices: model name ->
+    variants: any of "budget" (the b sweep), "standard" (no stated budget, <= eval.max_calls calls),
+    "abstention", "tool_choice_none". prices: model name ->
     row of the price table (eval.prices). sbs: with `sbs_scorer` (an rm RMScorer) and `sbs_baseline`
     (one of `models`), each other model's answers at b = `sbs_budget` (default: the largest b) are
     compared with the baseline's; without a scorer the pairs are written to sbs_<model>_vs_<baseline>.jsonl for
@@ -156,7 +157,7 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
 
     ec = cfg.eval
-    bad = sorted(set(variants) - {"budget", "abstention", "tool_choice_none"})
+    bad = sorted(set(variants) - set(VARIANTS))
     if bad:
         raise ValueError(f"evaluate: unknown variant(s) {bad}")
     if not models:
@@ -189,18 +190,19 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     settings = AgentSettings.for_eval(cfg)
     k = range(ec.samples)
     jobs_main = budget_jobs(examples, budgets, ec.samples) if "budget" in variants else []
+    jobs_std = [EvalJob(e, "standard", None, sample=s) for e in examples for s in k] if "standard" in variants else []
     jobs_none = ([EvalJob(e, "tool_choice_none", None, "none", s) for e in examples for s in k]
                  if "tool_choice_none" in variants else [])
     jobs_abst = [EvalJob(e, "abstention", None, sample=s) for e in examples for s in k] if "abstention" in variants else []
     status = {}
 
     async def run_model(name: str, spec: ModelSpec) -> dict:
-        every = jobs_main + jobs_none + jobs_abst
+        every = jobs_main + jobs_std + jobs_none + jobs_abst
         if all(j.key(name) in store for j in every):  # nothing left to ask: do not even load the model
             return {"done": 0, "skipped": len(every), "errors": []}
         engine, owned = open_engine(spec, cfg)
         try:
-            st = await run_jobs(name, SearchAgent(engine, encoder, tool, settings), grader, jobs_main + jobs_none,
+            st = await run_jobs(name, SearchAgent(engine, encoder, tool, settings), grader, jobs_main + jobs_std + jobs_none,
                                 store, system_prompt, ec.seed, progress)
             if jobs_abst:
                 sa = await run_jobs(name, SearchAgent(engine, encoder, withheld_tool, settings), grader, jobs_abst,
@@ -248,6 +250,9 @@ def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants:
             d["broken_tool_calls"] = broken_tool_calls(main)
             if lid is not None:
                 d["language_mismatch"] = language_mismatch(main, lid)
+        std = [r for r in rows if r["model"] == m and r["variant"] == "standard"]
+        if std:
+            d["standard"] = {bench: summarize(g) for (bench,), g in group(std, "benchmark").items()}
         none_rows = [r for r in rows if r["model"] == m and r["variant"] == "tool_choice_none"]
         if none_rows:
             d["tool_choice_none"] = tool_choice_none_rate(none_rows)

@@ -5,9 +5,11 @@ agent renders chat_format.budget_instruction(b)) and the search tool session enf
 beyond b is rejected as over_budget and counted); b = 0 is parametric knowledge only. One run
 covers every b, so the whole curve comes from one command.
 
-Variants (the `variant` field of a result): "budget" (the sweep, one result per b), "abstention"
-(evidence withheld from the index, default call limit), "tool_choice_none" (tools listed but
-disabled; any call is a broken tool_choice_none call).
+Variants (the `variant` field of a result): "budget" (the sweep, one result per b), "standard"
+(RECIPE 8's default protocol: no budget stated in the prompt, which is then the training prompt, and
+at most eval.max_calls calls enforced by the tool), "abstention" (evidence withheld from the index,
+default call limit), "tool_choice_none" (tools listed but disabled; any call is a broken
+tool_choice_none call).
 
 With eval.samples = k > 1 every (example, variant, b) runs k episodes with their own sampling seeds
 (the `sample` field, 0..k-1); the report's means are over all of them (avg@k), which narrows the
@@ -34,7 +36,7 @@ from .benchmarks import EvalExample
 from .results import ResultStore, result_key
 
 log = logging.getLogger(__name__)
-VARIANTS = ("budget", "abstention", "tool_choice_none")
+VARIANTS = ("budget", "standard", "abstention", "tool_choice_none")
 
 
 @dataclass(frozen=True)
