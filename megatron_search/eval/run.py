@@ -32,7 +32,7 @@ from .metrics import (LanguageID, abstention, broken_tool_calls, budget_curve, g
                       sbs_rows, summarize, tool_choice_none_rate, withhold_evidence)
 from .report import add_costs, build_report, write_outputs
 from .results import ResultStore
-from .sweep import VARIANTS, EvalJob, budget_jobs, run_jobs
+from .sweep import VARIANTS, budget_jobs, run_jobs, variant_jobs
 
 log = logging.getLogger(__name__)
 ModelSpec = Union[Engine, str]
@@ -188,12 +188,11 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
         withheld_tool = SearchTool(LocalSearchBackend.from_docs(kept, cfg.search.snippet_chars), ec.max_results,
                                    cfg.search.max_query_chars, ec.max_calls)
     settings = AgentSettings.for_eval(cfg)
-    k = range(ec.samples)
-    jobs_main = budget_jobs(examples, budgets, ec.samples) if "budget" in variants else []
-    jobs_std = [EvalJob(e, "standard", None, sample=s) for e in examples for s in k] if "standard" in variants else []
-    jobs_none = ([EvalJob(e, "tool_choice_none", None, "none", s) for e in examples for s in k]
-                 if "tool_choice_none" in variants else [])
-    jobs_abst = [EvalJob(e, "abstention", None, sample=s) for e in examples for s in k] if "abstention" in variants else []
+    n = ec.samples
+    jobs_main = budget_jobs(examples, budgets, n) if "budget" in variants else []
+    jobs_std = variant_jobs(examples, "standard", n) if "standard" in variants else []
+    jobs_none = variant_jobs(examples, "tool_choice_none", n, "none") if "tool_choice_none" in variants else []
+    jobs_abst = variant_jobs(examples, "abstention", n) if "abstention" in variants else []
     status = {}
 
     async def run_model(name: str, spec: ModelSpec) -> dict:

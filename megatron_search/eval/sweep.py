@@ -57,6 +57,12 @@ def budget_jobs(examples: Sequence[EvalExample], budgets: Sequence[int], samples
     return [EvalJob(e, "budget", b, sample=k) for b in budgets for e in examples for k in range(samples)]
 
 
+def variant_jobs(examples: Sequence[EvalExample], variant: str, samples: int = 1,
+                 tool_choice: str = "auto") -> list[EvalJob]:
+    """Jobs of a variant without a budget sweep (the tool's default call limit), `samples` per example."""
+    return [EvalJob(e, variant, None, tool_choice, k) for e in examples for k in range(samples)]
+
+
 def example_seed(seed: int, job: EvalJob) -> int:
     """A per-example (and per-sample) sampling seed, stable across runs and resumes."""
     extra = f":{job.sample}" if job.sample else ""

@@ -205,9 +205,7 @@ class Demo:
                "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
                "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1))
-        from megatron_search.config import load_config
-
-        k = load_config(self.config, self.common()).eval.samples
+        k = ev["eval_config"]["samples"]
         per = f" (mean of {k} samples per question)" if k > 1 else ""
         lines = ["# megatron-search demo report", "", f"| model | held-out accuracy{per} | tool calls / question |",
                  "| --- | --- | --- |"]
