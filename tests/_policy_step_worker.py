@@ -50,14 +50,15 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
         logp_ref = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     batch = RolloutBatch(inputs, targets, (logp_ref - delta).float(), mask, adv)
     results = {}
-    for mbs in (B, 1):
+    # (micro-batch size, padding rows): two padding rows make the 4 rollouts fill two micro-batches of 3.
+    for mbs, pad in ((B, 0), (1, 0), (3, 2)):
         for chunk in chunks:
             reshard.load_full_state(chunk, full, chunk.config)
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)
         opt = make_optimizer(cfg, ddp)
-        (m,) = policy_update(ddp, opt, batch, policy_loss=build_policy_loss(cfg.grpo),
+        (m,) = policy_update(ddp, opt, batch.pad_rows(pad, pad_id=0), policy_loss=build_policy_loss(cfg.grpo),
                              aggregation=cfg.grpo.loss_aggregation, micro_batch_size=mbs, temperature=temperature)
-        results[str(mbs)] = {"loss": m["loss"], "grad_norm": m["grad_norm"]}
+        results[f"{mbs}+{pad}"] = {"loss": m["loss"], "grad_norm": m["grad_norm"]}
     # Independent float64 value of the recipe's objective: r = pi/mu = exp(delta).
     r = torch.exp(delta.double())
     per_seq = (r * adv.double()[:, None] * mask).sum(-1) / mask.sum(-1)

@@ -121,3 +121,20 @@ def test_report_sbs_pairs_file_and_scorer(tmp_path):
     with pytest.raises(ValueError, match="no row"):
         make_report(cfg, store, tmp_path, ["cand"], ["budget"], {"cand": "gpt-99"}, None, None, None,
                     language=False, tensorboard=False)
+
+
+def test_paired_accuracy_difference_by_hand():
+    from megatron_search.eval.metrics import paired_accuracy_difference
+
+    def rows(grades):  # {question: [grades of its samples]}
+        return [{"id": q, "grade": "CORRECT" if g else "INCORRECT"} for q, gs in grades.items() for g in gs]
+
+    cand = rows({"a": [1, 1, 0], "b": [0, 0, 0], "c": [1, 1, 1], "only_cand": [1]})
+    base = rows({"a": [1, 0, 0], "b": [1, 0, 0], "c": [1, 1, 1], "only_base": [0]})
+    out = paired_accuracy_difference(cand, base)
+    # per-question differences: a 2/3-1/3 = 1/3, b 0-1/3 = -1/3, c 0; mean 0, sample var (1/9+1/9)/2 = 1/9
+    assert out["questions"] == 3
+    assert out["difference"] == pytest.approx(0.0, abs=1e-12)
+    assert out["stderr"] == pytest.approx((1 / 9 / 3) ** 0.5)
+    one = paired_accuracy_difference(rows({"a": [1]}), rows({"a": [0]}))
+    assert one == {"difference": 1.0, "stderr": 0.0, "questions": 1}

@@ -83,3 +83,18 @@ def test_bad_inputs_are_named():
         group_advantages(torch.zeros(2, 2), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
         group_advantages(torch.zeros(2), torch.tensor([0.0, 0.0]))
+
+
+def test_filtered_groups_by_correctness():
+    from megatron_search.rl.advantages import filtered_groups
+
+    # groups: 0 = all wrong, 1 = mixed, 2 = all correct, 3 = a single wrong rollout
+    r_base = torch.tensor([0, 0, 0, 1, 0, 1, 1, 0])
+    g = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    assert filtered_groups(r_base, g, "none").tolist() == [False] * 4
+    assert filtered_groups(r_base, g, "no_winner").tolist() == [True, False, False, True]
+    assert filtered_groups(r_base, g, "uniform_correctness").tolist() == [True, False, True, True]
+    with pytest.raises(ValueError, match="group filter: expected one of none, no_winner, uniform_correctness"):
+        filtered_groups(r_base, g, "all")
+    with pytest.raises(ValueError, match="r_base: values must be 0 or 1, got 2.0 at position 1"):
+        filtered_groups(torch.tensor([0, 2]), torch.tensor([0, 0]), "no_winner")

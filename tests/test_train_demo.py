@@ -42,7 +42,14 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}
     for row in rep["heldout"].values():
-        assert 0.0 <= row["accuracy"] <= 1.0 and row["tool_calls"] >= 0.0
+        assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["effective_calls"] <= row["tool_calls"]
+    # every held-out question has the same number of samples per model: the paired mean difference is the
+    # difference of the two accuracies
+    held_out = sum(json.loads(line)["split"] == "test" for line in (out / "qa.jsonl").open())
+    diff = rep["grpo_minus_sft"]
+    assert diff["questions"] == held_out
+    assert abs(diff["difference"] - (rep["heldout"]["grpo"]["accuracy"] - rep["heldout"]["sft"]["accuracy"])) < 1e-9
+    assert "GRPO - SFT:" in (out / "report.md").read_text()
     assert len(rep["grpo_reward_first"]) == 1
     # Everything is done: a second call runs no stage again and rewrites the same report.
     assert main(["demo", *overrides, "--out", str(out)]) == 0

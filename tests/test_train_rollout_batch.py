@@ -50,3 +50,18 @@ def test_bad_input():
     a.loss_mask[0] = 1
     with pytest.raises(ValueError, match="loss mask of the prompt segment"):
         pack_rollouts([a], [1.0], pad_id=0)
+
+
+def test_pad_rows_append_inert_rows():
+    a = rollout([5, 6, 7, 8], (2, 4), routed=True)
+    batch = pack_rollouts([a], [0.5], pad_id=3, with_routed_experts=True)
+    padded = batch.pad_rows(2, pad_id=3)
+    assert padded.size == 3
+    assert torch.equal(padded.slice(0, 1).tokens_BS, batch.tokens_BS)
+    assert padded.tokens_BS[1:].tolist() == [[3, 3, 3]] * 2 and padded.targets_BS[1:].tolist() == [[3, 3, 3]] * 2
+    assert padded.mask_BS[1:].sum() == 0 and padded.logp_infer_BS[1:].abs().sum() == 0
+    assert padded.advantages_B.tolist() == [0.5, 0.0, 0.0]
+    assert (padded.routed_experts_BSLK[1:] == -1).all()
+    assert batch.pad_rows(0, pad_id=3) is batch
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        batch.pad_rows(-1, pad_id=3)

@@ -38,9 +38,31 @@ def summarize(rows: Sequence[dict]) -> dict:
         "exact": _mean([float(r["exact"]) for r in rows]), "substring": _mean([float(r["substring"]) for r in rows]),
         "token_f1": _mean([r["f1"] for r in rows]),
         "mean_tool_calls": _mean([r["tool_calls"] for r in rows]),
+        "mean_effective_calls": _mean([r["tool_calls"] - r.get("failed_calls", 0) for r in rows]),
         "mean_tokens_in": _mean([r["tokens_in"] for r in rows]), "mean_tokens_out": _mean([r["tokens_out"] for r in rows]),
         "judge_malformed": sum(bool(r.get("judge_malformed")) for r in rows),
     }
+
+
+def paired_accuracy_difference(candidate: Sequence[dict], baseline: Sequence[dict]) -> dict:
+    """Accuracy of `candidate` minus `baseline` over the questions both answered, paired by question
+    id: each question's accuracy is the mean over its samples, the difference is averaged over
+    questions, and `stderr` is the standard error of that mean (sample std of the per-question
+    differences / sqrt(questions); 0 for fewer than two questions). Pairing removes the spread
+    between easy and hard questions that two independent accuracies would carry."""
+    def per_question(rows: Sequence[dict]) -> dict[str, float]:
+        hits: dict[str, list[float]] = defaultdict(list)
+        for r in rows:
+            hits[r["id"]].append(float(r["grade"] == "CORRECT"))
+        return {q: _mean(v) for q, v in hits.items()}
+
+    a, b = per_question(candidate), per_question(baseline)
+    common = sorted(set(a) & set(b))
+    diffs = [a[q] - b[q] for q in common]
+    n = len(diffs)
+    mean = _mean(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return {"difference": mean, "stderr": (var / n) ** 0.5 if n > 1 else 0.0, "questions": n}
 
 
 def group(rows: Iterable[dict], *fields: str) -> dict[tuple, list[dict]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..rewards.gated import check_binary
 from ..rewards.groups import check_finite, check_flat, check_group_ids, group_max, group_sum
 
 
@@ -45,3 +46,24 @@ def group_advantages(
     dof = (count - 1).clamp(min=1) if unbiased else count
     std = (group_sum(centered * centered, group_ids, k) / dof).sqrt()
     return torch.where(constant, centered, centered / (std[group_ids] + eps))
+
+
+GROUP_FILTERS = ("none", "no_winner", "uniform_correctness")
+
+
+def filtered_groups(r_base: Tensor, group_ids: Tensor, mode: str) -> Tensor:
+    """Groups [K] (bool) that `mode` leaves out of training, by their correctness r_base in {0, 1}:
+    'no_winner' = no rollout correct, 'uniform_correctness' = all correct or all wrong (DAPO's
+    dynamic-sampling criterion), 'none' = no group."""
+    if mode not in GROUP_FILTERS:
+        raise ValueError(f"group filter: expected one of {', '.join(GROUP_FILTERS)}, got {mode!r}")
+    check_binary("r_base", r_base)
+    k = check_group_ids(group_ids, r_base.numel())
+    correct = r_base.to(torch.int64)
+    wins = group_sum(correct, group_ids, k)
+    if mode == "none":
+        return torch.zeros(k, dtype=torch.bool)
+    if mode == "no_winner":
+        return wins == 0
+    size = group_sum(torch.ones_like(correct), group_ids, k)
+    return (wins == 0) | (wins == size)

@@ -201,16 +201,21 @@ class Demo:
         ev = json.loads((p["eval"] / "report.json").read_text())
         rewards = _scalars(p["grpo"] / "tensorboard", "reward/mean")
         r_base = _scalars(p["grpo"] / "tensorboard", "reward/r_base")
-        rep = {"heldout": _model_rows(ev), "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
+        rep = {"heldout": _model_rows(ev), "grpo_minus_sft": _paired_difference(p["eval"] / "results.jsonl"),
+               "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
                "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
                "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1))
         k = ev["eval_config"]["samples"]
         per = f" (mean of {k} samples per question)" if k > 1 else ""
-        lines = ["# megatron-search demo report", "", f"| model | held-out accuracy{per} | tool calls / question |",
-                 "| --- | --- | --- |"]
+        lines = ["# megatron-search demo report", "",
+                 f"| model | held-out accuracy{per} | tool calls / question | effective calls / question |",
+                 "| --- | --- | --- | --- |"]
         for name, row in rep["heldout"].items():
-            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} |")
+            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {row['effective_calls']:.2f} |")
+        d = rep["grpo_minus_sft"]
+        lines += ["", f"GRPO - SFT: {100 * d['difference']:+.1f} points, standard error {100 * d['stderr']:.1f} "
+                      f"(paired over {d['questions']} held-out questions)"]
         if rewards:
             lines += ["", f"GRPO mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}; "
                           f"QA correctness r_base: {r_base[0]:.3f} -> {r_base[-1]:.3f}"]
@@ -253,9 +258,20 @@ def _scalars(logdir: Path, tag: str) -> list[float]:
 
 
 def _model_rows(ev: dict) -> dict:
-    """{model: {accuracy, tool_calls}} on the held-out set (the eval report's standard variant)."""
+    """{model: {accuracy, tool_calls, effective_calls}} on the held-out set (the eval report's standard variant)."""
     out = {}
     for model, d in ev["deployment"].items():
         row = d["standard"]["heldout"]
-        out[model] = {"accuracy": row["accuracy"], "tool_calls": row["mean_tool_calls"]}
+        out[model] = {"accuracy": row["accuracy"], "tool_calls": row["mean_tool_calls"],
+                      "effective_calls": row["mean_effective_calls"]}
     return out
+
+
+def _paired_difference(results: Path) -> dict:
+    """GRPO's held-out accuracy minus SFT's, paired by question, with its standard error."""
+    from megatron_search.eval.metrics import paired_accuracy_difference
+    from megatron_search.eval.results import ResultStore
+
+    store = ResultStore(results)
+    rows = {m: list(store.rows(model=m, variant="standard", benchmark="heldout")) for m in ("grpo", "sft")}
+    return paired_accuracy_difference(rows["grpo"], rows["sft"])

@@ -7,9 +7,11 @@ engines. The first training rank drives the engines (train/grpo_driver.py); ever
 
 Groups that carry no signal (every rollout got the same reward, so every advantage is 0; this
 includes groups whose rollouts all failed) are left out of the training batch: they would add
-nothing to the gradient but would count in the sequence-mean denominator. The batch is then
-trimmed to a multiple of (DP x micro-batch x updates_per_batch) rollouts, dropping from the end;
-both counts are logged (train/zero_signal_groups, train/trimmed_rollouts). A step with no signal
+nothing to the gradient but would count in the sequence-mean denominator. `grpo.group_filter`
+can leave out more groups by their correctness (none by default). The batch is then filled up to
+a multiple of (DP x micro-batch x updates_per_batch) rows with padding rows (mask 0: no loss, not
+counted in any denominator), so no rollout with signal is dropped; the counts are logged
+(train/zero_signal_groups, train/filtered_groups, train/padding_rollouts). A step with no signal
 at all takes no optimizer step but still advances the step counter.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.rewards.batch import compute_rewards_from_config, reward_generator
-from megatron_search.rl.advantages import group_advantages
+from megatron_search.rl.advantages import filtered_groups, group_advantages
 from megatron_search.rl.registry import build_policy_loss
 from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.local import LocalEngine
@@ -150,18 +152,20 @@ class GRPORun:
         m.update(rollout_metrics(col, scores, rewards, adv))
         m["rollout/failed"] = float(col.failed)
         signal = _signal_groups(adv, scores.group_ids)
-        keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
+        dropped = filtered_groups(scores.r_base, scores.group_ids, cfg.grpo.group_filter) & signal
         m["train/zero_signal_groups"] = float((~signal).sum())
-        unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch
-        trimmed = len(keep) % unit
-        keep = keep[: len(keep) - trimmed]
-        m["train/trimmed_rollouts"] = float(trimmed)
+        m["train/filtered_groups"] = float(dropped.sum())
+        signal &= ~dropped
+        keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
         if not keep:
             return None, m
+        unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch
         pad_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
         batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(),
                               pad_id=self.driver.encoder.tokenizer.pad_id, pad_multiple=pad_multiple,
                               with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
+        batch = batch.pad_rows(-len(keep) % unit, pad_id=self.driver.encoder.tokenizer.pad_id)
+        m["train/padding_rollouts"] = float(-len(keep) % unit)
         return batch, m
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:

@@ -47,6 +47,21 @@ class RolloutBatch:
         return RolloutBatch(self.tokens_BS[idx], self.targets_BS[idx], self.logp_infer_BS[idx], self.mask_BS[idx],
                             self.advantages_B[idx], re)
 
+    def pad_rows(self, n: int, pad_id: int) -> "RolloutBatch":
+        """This batch with `n` padding rows appended: pad tokens, mask 0, advantage 0, no experts (-1).
+        They add nothing to the loss or to its denominators (sequences or tokens with mask 1)."""
+        if n < 0:
+            raise ValueError(f"pad_rows: n must be >= 0, got {n}")
+        if n == 0:
+            return self
+
+        def grow(t: torch.Tensor, fill) -> torch.Tensor:
+            return torch.cat([t, torch.full((n, *t.shape[1:]), fill, dtype=t.dtype)])
+
+        re = None if self.routed_experts_BSLK is None else grow(self.routed_experts_BSLK, -1)
+        return RolloutBatch(grow(self.tokens_BS, pad_id), grow(self.targets_BS, pad_id), grow(self.logp_infer_BS, 0),
+                            grow(self.mask_BS, 0), grow(self.advantages_B, 0), re)
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
