@@ -167,3 +167,38 @@ def test_bad_inputs_fail_clearly(tmp_path, tok_dir):
     cfg = sft_config(tmp_path, {"x.jsonl": 1.0}, ["model.tokenizer=qwen"])
     with pytest.raises(DataError, match="only 2048 embeddings"):
         tokenizer_for(cfg)
+
+
+def test_data_order_does_not_depend_on_where_the_files_live(tok_dir):
+    """The same datasets under two directories give the same batches (the mix is keyed by the shortest
+    distinguishing trailing path, not the full path); a state saved with full-path keys still loads."""
+    from megatron_search.data.jsonl import DataError
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.train.sft_data import SFTBatcher, location_free_names
+
+    assert location_free_names(["/x/run1/tool.jsonl", "/x/run1/read.jsonl"]) == {
+        "/x/run1/tool.jsonl": "tool.jsonl", "/x/run1/read.jsonl": "read.jsonl"}
+    assert location_free_names(["/d/a/train.jsonl", "/d/b/train.jsonl"]) == {
+        "/d/a/train.jsonl": "a/train.jsonl", "/d/b/train.jsonl": "b/train.jsonl"}
+    with pytest.raises(DataError, match="the same file is listed twice"):
+        location_free_names(["/d/a.jsonl", "/d/./a.jsonl"])
+    tok, fmt = BPETokenizer.load(tok_dir), ChatFormat("qwen3")
+    rows = {"tool": [dict(conversation(i), _where=f"t{i}") for i in range(5)],
+            "read": [dict(conversation(i + 5), _where=f"r{i}") for i in range(5)]}
+
+    def batcher(root: str) -> SFTBatcher:
+        data = {f"{root}/{k}.jsonl": v for k, v in rows.items()}
+        weights = {f"{root}/tool.jsonl": 0.7, f"{root}/read.jsonl": 0.3}
+        return SFTBatcher(data, weights, tok, fmt, seq_length=512, global_batch_size=4, packing=False, seed=3)
+
+    a, b = batcher("/runs/one"), batcher("/elsewhere/two")
+    for _ in range(3):
+        assert torch.equal(a.next_batch().tokens, b.next_batch().tokens)
+    # a checkpoint written when the sampler was keyed by full paths resumes at the same position
+    state = a.state_dict()
+    old = {"sampler": {**state["sampler"], **{k: {f"/runs/one/{n}": v for n, v in state["sampler"][k].items()}
+                                              for k in ("counts", "credit")}}}
+    c = batcher("/runs/one")
+    c.load_state_dict(old)
+    assert torch.equal(a.next_batch().tokens, c.next_batch().tokens)

@@ -9,6 +9,8 @@ std_g is the sample standard deviation (ddof=1, what torch.std and most GRPO cod
 `unbiased=False` (population std). A group whose rewards are all equal (including a group of
 one rollout) carries no signal: its advantages are exactly 0, also when float rounding of the
 mean would leave a residue of ~1e-17 that a tiny eps would blow up.
+
+`filtered_groups` names the groups a correctness filter (grpo.group_filter) leaves out of training.
 """
 from __future__ import annotations
 

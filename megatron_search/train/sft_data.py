@@ -121,15 +121,31 @@ def load_sft_datasets(paths: dict[str, float]) -> dict[str, list[dict]]:
     return out
 
 
+def location_free_names(paths: list[str]) -> dict[str, str]:
+    """{path: name} with the shortest trailing path parts that tell the datasets apart ("sft_tool.jsonl",
+    or "a/train.jsonl" beside "b/train.jsonl"). The mix sampler's shuffles are keyed by dataset name,
+    so naming by full path made the data order, and with it the trained model, depend on where the
+    run's files live (two demo runs in different directories differed from the first step)."""
+    parts = {p: Path(p).parts for p in paths}
+    for k in range(1, max((len(v) for v in parts.values()), default=1) + 1):
+        names = {p: "/".join(v[-k:]) for p, v in parts.items()}
+        if len(set(names.values())) == len(names):
+            return names
+    raise DataError(f"sft.datasets: the same file is listed twice: {sorted(paths)}")
+
+
 class SFTBatcher:
     """Global SFT batches [global_batch_size, seq_length] from a weighted mix of datasets.
 
-    Deterministic given the seed; `state_dict()` (JSON) is the position to save and restore.
+    Deterministic given the seed and the datasets' names (location_free_names: not where they are);
+    `state_dict()` (JSON) is the position to save and restore.
     """
 
     def __init__(self, datasets: dict[str, list[dict]], weights: dict[str, float], tokenizer: ChatTokenizer,
                  fmt: ChatFormat, seq_length: int, global_batch_size: int, packing: bool, seed: int):
-        self.sampler = MixSampler(datasets, weights, seed=seed)
+        self.names = location_free_names(list(datasets))
+        self.sampler = MixSampler({self.names[p]: rows for p, rows in datasets.items()},
+                                  {self.names.get(p, p): w for p, w in weights.items()}, seed=seed)
         self.tokenizer, self.fmt = tokenizer, fmt
         self.seq_length, self.rows, self.packing = seq_length, global_batch_size, packing
         self.pad_id = tokenizer.pad_id
@@ -140,7 +156,10 @@ class SFTBatcher:
         return {"sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        sampler = dict(state["sampler"])
+        if set(sampler["counts"]) == set(self.names):  # saved before datasets were named location-free
+            sampler = {**sampler, **{k: {self.names[p]: v for p, v in sampler[k].items()} for k in ("counts", "credit")}}
+        self.sampler.load_state_dict(sampler)
 
     def _example(self, row: dict) -> TokenizedExample:
         key = row["_where"]
