@@ -19,13 +19,13 @@ class GRPOConfig(Section):
     # Advantages (RECIPE 3): A_i = (R_i - mean_g R) / (std_g R + eps), or no std division.
     advantage_std_normalize: bool = Field(True, description="divide by the group std (RECIPE 3); False = mean-centering only")
     advantage_eps: PositiveFloat = Field(1e-6, description="eps added to the group std (our default)")
+    advantage_std_unbiased: bool = Field(
+        True, description="sample std (ddof=1, as torch.std and common GRPO code); False = population std"
+    )
     group_filter: Literal["none", "no_winner", "uniform_correctness"] = Field(
         "none", description="groups left out of the training batch besides those without signal: 'no_winner' = no "
         "rollout correct (their advantages would rank penalties only), 'uniform_correctness' = all correct or all "
         "wrong (DAPO's dynamic-sampling filter, without resampling); 'none' = the recipe's plain GRPO")
-    advantage_std_unbiased: bool = Field(
-        True, description="sample std (ddof=1, as torch.std and common GRPO code); False = population std"
-    )
     # Importance sampling against the inference engine.
     is_level: Literal["token", "sequence"] = Field("token", description="token IS (recipe) or GSPO-style sequence IS")
     is_cap: Optional[PositiveFloat] = Field(None, description="truncated IS: cap C on the IS weight; None = off")

@@ -212,7 +212,8 @@ class Demo:
                  f"| model | held-out accuracy{per} | tool calls / question | effective calls / question |",
                  "| --- | --- | --- | --- |"]
         for name, row in rep["heldout"].items():
-            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {row['effective_calls']:.2f} |")
+            eff = "-" if row["effective_calls"] is None else f"{row['effective_calls']:.2f}"
+            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {eff} |")
         d = rep["grpo_minus_sft"]
         lines += ["", f"GRPO - SFT: {100 * d['difference']:+.1f} points, standard error {100 * d['stderr']:.1f} "
                       f"(paired over {d['questions']} held-out questions)"]
@@ -258,12 +259,13 @@ def _scalars(logdir: Path, tag: str) -> list[float]:
 
 
 def _model_rows(ev: dict) -> dict:
-    """{model: {accuracy, tool_calls, effective_calls}} on the held-out set (the eval report's standard variant)."""
+    """{model: {accuracy, tool_calls, effective_calls}} on the held-out set (the eval report's standard variant;
+    effective_calls is None in eval reports written before it was measured)."""
     out = {}
     for model, d in ev["deployment"].items():
         row = d["standard"]["heldout"]
         out[model] = {"accuracy": row["accuracy"], "tool_calls": row["mean_tool_calls"],
-                      "effective_calls": row["mean_effective_calls"]}
+                      "effective_calls": row.get("mean_effective_calls")}
     return out
 
 

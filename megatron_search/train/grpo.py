@@ -164,8 +164,9 @@ class GRPORun:
         batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(),
                               pad_id=self.driver.encoder.tokenizer.pad_id, pad_multiple=pad_multiple,
                               with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
-        batch = batch.pad_rows(-len(keep) % unit, pad_id=self.driver.encoder.tokenizer.pad_id)
-        m["train/padding_rollouts"] = float(-len(keep) % unit)
+        padding = -len(keep) % unit
+        batch = batch.pad_rows(padding, pad_id=self.driver.encoder.tokenizer.pad_id)
+        m["train/padding_rollouts"] = float(padding)
         return batch, m
 
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
