@@ -215,7 +215,8 @@ class Demo:
             eff = "-" if row["effective_calls"] is None else f"{row['effective_calls']:.2f}"
             lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {eff} |")
         d = rep["grpo_minus_sft"]
-        lines += ["", f"GRPO - SFT: {100 * d['difference']:+.1f} points, standard error {100 * d['stderr']:.1f} "
+        points = round(100 * d["difference"], 1) + 0.0  # + 0.0: no "-0.0"
+        lines += ["", f"GRPO - SFT: {points:+.1f} points, standard error {100 * d['stderr']:.1f} "
                       f"(paired over {d['questions']} held-out questions)"]
         if rewards:
             lines += ["", f"GRPO mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}; "
