@@ -61,10 +61,10 @@ def filtered_groups(r_base: Tensor, group_ids: Tensor, mode: str) -> Tensor:
         raise ValueError(f"group filter: expected one of {', '.join(GROUP_FILTERS)}, got {mode!r}")
     check_binary("r_base", r_base)
     k = check_group_ids(group_ids, r_base.numel())
-    correct = r_base.to(torch.int64)
-    wins = group_sum(correct, group_ids, k)
     if mode == "none":
         return torch.zeros(k, dtype=torch.bool)
+    correct = r_base.to(torch.int64)
+    wins = group_sum(correct, group_ids, k)
     if mode == "no_winner":
         return wins == 0
     size = group_sum(torch.ones_like(correct), group_ids, k)
