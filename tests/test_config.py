@@ -73,6 +73,12 @@ def test_moe_with_tp_needs_sequence_parallel():
     load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true"])  # valid
 
 
+def test_sequence_parallel_needs_seq_length_a_multiple_of_tp():
+    (p,) = problems("parallel.tp=2", "parallel.sequence_parallel=true", "sft.seq_length=1023")
+    assert p.startswith("sft.seq_length: 1023 is not a multiple of TP=2")
+    load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.seq_length=1022"])  # valid
+
+
 def test_several_problems_each_on_its_own_line():
     ps = problems(TINY35, "parallel.tp=3", "parallel.ep=3")
     assert len(ps) >= 4  # experts/EP, heads/TP, kv heads/TP, GDN heads/TP, sequence parallel

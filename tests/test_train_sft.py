@@ -202,3 +202,51 @@ def test_data_order_does_not_depend_on_where_the_files_live(tok_dir):
     c = batcher("/runs/one")
     c.load_state_dict(old)
     assert torch.equal(a.next_batch().tokens, c.next_batch().tokens)
+
+
+def test_trimmed_batches_cut_only_padding_and_keep_the_loss(tok_dir):
+    """sft.trim_padding: a batch is cut to its longest row (rounded up to the multiple); the columns
+    cut are padding with loss 0, and a causal LM's masked cross-entropy (a tiny HF Qwen3-MoE) is the
+    same on the cut batch as on the full-width one (to float32 rounding: the matmul shapes differ)."""
+    import transformers
+
+    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.train.sft_data import SFTBatcher
+
+    tok, fmt = BPETokenizer.load(tok_dir), ChatFormat("qwen3")
+    rows = {"a": [dict(conversation(i), _where=f"a{i}") for i in range(6)]}
+
+    def batcher(trim):
+        return SFTBatcher(rows, {"a": 1.0}, tok, fmt, seq_length=512, global_batch_size=3, packing=False, seed=1,
+                          trim_multiple=trim)
+
+    full, cut1, cut8 = batcher(None), batcher(1), batcher(8)
+    for _ in range(2):
+        f, c1, c8 = full.next_batch(), cut1.next_batch(), cut8.next_batch()
+        assert f.tokens.shape[1] == 512
+        # the longest row's last target is the last non-pad label column of the full batch
+        longest = int((f.labels != tok.pad_id).any(0).nonzero().max()) + 1
+        assert c1.tokens.shape[1] == longest < 512
+        assert c8.tokens.shape[1] == -(-longest // 8) * 8
+        for c in (c1, c8):
+            w = c.tokens.shape[1]
+            assert torch.equal(c.tokens, f.tokens[:, :w]) and torch.equal(c.labels, f.labels[:, :w])
+            assert torch.equal(c.loss_mask, f.loss_mask[:, :w])
+        assert f.loss_mask[:, c1.tokens.shape[1]:].sum() == 0
+
+    hf = transformers.AutoConfig.from_pretrained("configs/models/tiny_qwen3_moe")
+    assert hf.vocab_size > max(int(f.tokens.max()), tok.pad_id)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(hf).eval()
+
+    def ce(batch):
+        with torch.no_grad():
+            logits = model(input_ids=batch.tokens).logits
+        per_tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+        return float((per_tok * batch.loss_mask).sum() / batch.loss_mask.sum())
+
+    assert ce(c1) == pytest.approx(ce(f), rel=1e-5, abs=0)
+
+    with pytest.raises(ValueError, match="trim_multiple=5 must be >= 1 and divide seq_length=512"):
+        batcher(5)

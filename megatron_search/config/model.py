@@ -72,6 +72,11 @@ class ParallelConfig(Section):
     distributed_optimizer: bool = True
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
 
+    @property
+    def sequence_multiple(self) -> int:
+        """Training sequence lengths must be a multiple of this: sequence parallelism splits them over TP."""
+        return self.tp if self.sequence_parallel else 1
+
     @model_validator(mode="before")
     @classmethod
     def _etp_defaults_to_tp(cls, data):

@@ -100,6 +100,9 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
             f"parallel.etp: with EP=1, expert tensor parallel must equal TP (got ETP={p.etp}, TP={p.tp}); "
             f"set parallel.etp={p.tp} or use EP>1"
         )
+    if cfg.sft.seq_length % p.sequence_multiple:
+        out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
+                   f"splits the sequence over the TP ranks)")
     stages = p.pp * (p.vpp or 1)
     if p.vpp is not None and p.pp == 1:
         out.append("parallel.vpp: virtual pipeline stages need PP > 1")

@@ -160,10 +160,9 @@ class GRPORun:
         if not keep:
             return None, m
         unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch
-        pad_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
         pad_id = self.driver.encoder.tokenizer.pad_id
         batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(), pad_id=pad_id,
-                              pad_multiple=pad_multiple,
+                              pad_multiple=cfg.parallel.sequence_multiple,
                               with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
         padding = -len(keep) % unit
         batch = batch.pad_rows(padding, pad_id=pad_id)

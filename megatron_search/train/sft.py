@@ -44,7 +44,8 @@ def build_batcher(cfg):
 
     s = cfg.sft
     return SFTBatcher(load_sft_datasets(s.datasets), s.datasets, tokenizer_for(cfg), chat_format_for(cfg),
-                      s.seq_length, s.global_batch_size, s.packing, cfg.run.seed)
+                      s.seq_length, s.global_batch_size, s.packing, cfg.run.seed,
+                      trim_multiple=cfg.parallel.sequence_multiple if s.trim_padding else None)
 
 
 def _agree_stop(requested: bool) -> bool:

@@ -13,7 +13,9 @@ Batches: datasets are mixed by weight with data/mix.py's deterministic, resumabl
 examples are packed greedily into rows of seq_length + 1 tokens (packing=True; attention then
 spans neighbouring examples, as in plain GPT packing: GDN in Megatron 0.16 has no packed-sequence
 support) or one example per row (packing=False), padded with <|endoftext|> and loss 0. An example
-longer than a row is truncated (counted). The sampler state is the data position a checkpoint saves.
+longer than a row is truncated (counted). With sft.trim_padding each batch is then cut to its
+longest row (rounded up to the sequence-parallel multiple), so short rows cost no padding compute
+beyond the batch's longest. The sampler state is the data position a checkpoint saves.
 """
 from __future__ import annotations
 
@@ -142,12 +144,16 @@ class SFTBatcher:
     """
 
     def __init__(self, datasets: dict[str, list[dict]], weights: dict[str, float], tokenizer: ChatTokenizer,
-                 fmt: ChatFormat, seq_length: int, global_batch_size: int, packing: bool, seed: int):
+                 fmt: ChatFormat, seq_length: int, global_batch_size: int, packing: bool, seed: int,
+                 trim_multiple: Optional[int] = None):
         self.names = location_free_names(list(datasets))
         self.sampler = MixSampler({self.names[p]: rows for p, rows in datasets.items()},
                                   {self.names.get(p, p): w for p, w in weights.items()}, seed=seed)
         self.tokenizer, self.fmt = tokenizer, fmt
         self.seq_length, self.rows, self.packing = seq_length, global_batch_size, packing
+        if trim_multiple is not None and (trim_multiple < 1 or seq_length % trim_multiple):
+            raise ValueError(f"trim_multiple={trim_multiple} must be >= 1 and divide seq_length={seq_length}")
+        self.trim_multiple = trim_multiple
         self.pad_id = tokenizer.pad_id
         self.truncated = 0  # examples cut to one row since the start (or resume)
         self._cache: dict[str, TokenizedExample] = {}
@@ -176,7 +182,11 @@ class SFTBatcher:
         return self._cache[key]
 
     def next_batch(self) -> Batch:
-        """The next global batch: tokens/labels [rows, seq_length], loss_mask over labels."""
+        """The next global batch: tokens/labels [rows, width], loss_mask over labels. width is
+        seq_length, or with trim_multiple the longest row's targets rounded up to that multiple: the
+        columns cut are padding in every row (loss 0, and causal attention never lets a real token
+        see them), so the cross-entropy is the same for less compute (the MoE load-balancing loss
+        just stops counting padding tokens)."""
         width = self.seq_length + 1
         rows: list[tuple[list[int], list[int]]] = []
         cur_ids: list[int] = []
@@ -191,6 +201,9 @@ class SFTBatcher:
                     self.sampler.load_state_dict(snapshot)  # un-draw: this example opens the next batch
                     break
             cur_ids, cur_mask = cur_ids + ex.ids, cur_mask + ex.mask
+        if self.trim_multiple is not None:
+            targets = max(len(row_ids) for row_ids, _ in rows) - 1
+            width = min(width, -(-targets // self.trim_multiple) * self.trim_multiple + 1)
         ids = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((self.rows, width), dtype=torch.float32)
         for r, (row_ids, row_mask) in enumerate(rows):
