@@ -41,8 +41,11 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     assert f"checkpoint.load={out / 'reading_warmup' / 'checkpoints'}" in cmds[2] and "sft_practice.jsonl: 0.3" in cmds[2]
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}
-    for row in rep["heldout"].values():
+    results = [json.loads(line) for line in (out / "eval" / "results.jsonl").open()]
+    for name, row in rep["heldout"].items():
         assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["effective_calls"] <= row["tool_calls"]
+        mine = [r for r in results if r["model"] == name]
+        assert row["broken_call_episodes"] == sum(any(r["broken"].values()) for r in mine) / len(mine)
     # every held-out question has the same number of samples per model: the paired mean difference is the
     # difference of the two accuracies
     held_out = sum(json.loads(line)["split"] == "test" for line in (out / "qa.jsonl").open())

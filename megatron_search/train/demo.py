@@ -201,7 +201,8 @@ class Demo:
         ev = json.loads((p["eval"] / "report.json").read_text())
         rewards = _scalars(p["grpo"] / "tensorboard", "reward/mean")
         r_base = _scalars(p["grpo"] / "tensorboard", "reward/r_base")
-        rep = {"heldout": _model_rows(ev), "grpo_minus_sft": _paired_difference(p["eval"] / "results.jsonl"),
+        episodes = _heldout_episodes(p["eval"] / "results.jsonl")
+        rep = {"heldout": _model_rows(ev, episodes), "grpo_minus_sft": _paired_difference(episodes),
                "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
                "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
                "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
@@ -209,11 +210,13 @@ class Demo:
         k = ev["eval_config"]["samples"]
         per = f" (mean of {k} samples per question)" if k > 1 else ""
         lines = ["# megatron-search demo report", "",
-                 f"| model | held-out accuracy{per} | tool calls / question | effective calls / question |",
-                 "| --- | --- | --- | --- |"]
+                 f"| model | held-out accuracy{per} | tool calls / question | effective calls / question | "
+                 "episodes with a broken tool call |",
+                 "| --- | --- | --- | --- | --- |"]
         for name, row in rep["heldout"].items():
             eff = "-" if row["effective_calls"] is None else f"{row['effective_calls']:.2f}"
-            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {eff} |")
+            lines.append(f"| {name} | {row['accuracy']:.3f} | {row['tool_calls']:.2f} | {eff} | "
+                         f"{row['broken_call_episodes']:.3f} |")
         d = rep["grpo_minus_sft"]
         points = round(100 * d["difference"], 1) + 0.0  # + 0.0: no "-0.0"
         lines += ["", f"GRPO - SFT: {points:+.1f} points, standard error {100 * d['stderr']:.1f} "
@@ -259,22 +262,31 @@ def _scalars(logdir: Path, tag: str) -> list[float]:
     return [e.value for e in ea.Scalars(tag)] if tag in ea.Tags()["scalars"] else []
 
 
-def _model_rows(ev: dict) -> dict:
-    """{model: {accuracy, tool_calls, effective_calls}} on the held-out set (the eval report's standard variant;
-    effective_calls is None in eval reports written before it was measured)."""
+def _heldout_episodes(results: Path) -> dict[str, list[dict]]:
+    """{model: its held-out episodes (standard variant)} from the eval's results file."""
+    from megatron_search.eval.results import ResultStore
+
+    store = ResultStore(results)
+    return {m: list(store.rows(model=m, variant="standard", benchmark="heldout")) for m in ("sft", "grpo")}
+
+
+def _model_rows(ev: dict, episodes: dict[str, list[dict]]) -> dict:
+    """{model: {accuracy, tool_calls, effective_calls, broken_call_episodes}} on the held-out set (the eval
+    report's standard variant; effective_calls is None in eval reports written before it was measured;
+    broken_call_episodes: the fraction of episodes with a malformed or otherwise broken tool call)."""
+    from megatron_search.eval.metrics import broken_tool_calls
+
     out = {}
     for model, d in ev["deployment"].items():
         row = d["standard"]["heldout"]
         out[model] = {"accuracy": row["accuracy"], "tool_calls": row["mean_tool_calls"],
-                      "effective_calls": row.get("mean_effective_calls")}
+                      "effective_calls": row.get("mean_effective_calls"),
+                      "broken_call_episodes": broken_tool_calls(episodes[model])["episodes_with_broken"]}
     return out
 
 
-def _paired_difference(results: Path) -> dict:
+def _paired_difference(episodes: dict[str, list[dict]]) -> dict:
     """GRPO's held-out accuracy minus SFT's, paired by question, with its standard error."""
     from megatron_search.eval.metrics import paired_accuracy_difference
-    from megatron_search.eval.results import ResultStore
 
-    store = ResultStore(results)
-    rows = {m: list(store.rows(model=m, variant="standard", benchmark="heldout")) for m in ("grpo", "sft")}
-    return paired_accuracy_difference(rows["grpo"], rows["sft"])
+    return paired_accuracy_difference(episodes["grpo"], episodes["sft"])
