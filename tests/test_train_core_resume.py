@@ -49,3 +49,16 @@ def test_plain_optimizer_resume_is_bitwise(tmp_path):
     assert torch.equal(as64(first + second), as64(straight))
     # warmup: step 0 at lr * 1/1; linear decay over steps 1..3 reaches min_lr=0 at the last step
     assert [r[2] for r in straight] == [1e-3, 1e-3, 5e-4, 0.0]
+
+
+def test_context_parallel_training_is_refused_before_anything_is_built():
+    """CP > 1 needs each rank to feed its chunks of the sequence, which the training step does not do:
+    the Trainer refuses it with a clear error instead of training on wrong attention."""
+    import pytest
+
+    from megatron_search.config import config_from_dict
+    from megatron_search.train.core import Trainer
+
+    cfg = config_from_dict({"model": {"hf_config": "configs/models/tiny_qwen3_moe"}, "parallel": {"cp": 2}})
+    with pytest.raises(ValueError, match=r"parallel.cp=2: context parallelism is not wired into training"):
+        Trainer(cfg, ctx=None, total_steps=1)

@@ -67,6 +67,11 @@ class Trainer:
 
         if total_steps < 1:
             raise ValueError(f"Trainer: total_steps must be >= 1, got {total_steps}")
+        if cfg.parallel.cp > 1:
+            # Megatron-Core leaves the split to the caller (each CP rank feeds its chunks of the sequence);
+            # the training step feeds whole sequences, which would be wrong, not just slow.
+            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is not wired into training yet "
+                             "(batches are not split along the sequence over the CP ranks); use parallel.cp=1")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
         self.model = build_model_chunks(cfg)
         self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)
