@@ -63,7 +63,8 @@ class RolloutBatch:
                             grow(self.mask_BS, 0), grow(self.advantages_B, 0), re)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n (row widths for sequence parallelism)."""
     return -(-n // multiple) * multiple
 
 
@@ -78,7 +79,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: Sequence[float], pad_
         r.check()
         if len(r.token_ids) < 2:
             raise ValueError(f"pack_rollouts: rollout {i} has {len(r.token_ids)} token(s); need at least 2")
-    s = _round_up(max(len(r.token_ids) - 1 for r in rollouts), pad_multiple)
+    s = round_up(max(len(r.token_ids) - 1 for r in rollouts), pad_multiple)
     b = len(rollouts)
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
     targets = torch.full((b, s), pad_id, dtype=torch.long)

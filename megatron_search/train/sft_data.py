@@ -31,6 +31,8 @@ from megatron_search.distributed.step import Batch
 from megatron_search.rollout.chat_format import IM_END, IM_START, ChatFormat
 from megatron_search.rollout.tokenizer import ChatTokenizer, load_tokenizer
 
+from .rollout_batch import round_up
+
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
 
 
@@ -203,7 +205,7 @@ class SFTBatcher:
             cur_ids, cur_mask = cur_ids + ex.ids, cur_mask + ex.mask
         if self.trim_multiple is not None:
             targets = max(len(row_ids) for row_ids, _ in rows) - 1
-            width = min(width, -(-targets // self.trim_multiple) * self.trim_multiple + 1)
+            width = min(width, round_up(targets, self.trim_multiple) + 1)
         ids = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((self.rows, width), dtype=torch.float32)
         for r, (row_ids, row_mask) in enumerate(rows):
