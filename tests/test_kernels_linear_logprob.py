@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from _kernels_ref64 import AllocationRecorder, logprob_ref64, rel_err, weighted_loss
+from _tolerance import linear_logprob_tols
 from megatron_search.kernels import linear_token_logprobs, token_logprobs
 
 BACKENDS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -42,9 +43,13 @@ def test_fp32_chunked_matches_float64(backend):
     out = linear_token_logprobs(h, w, targets, logp_infer=logp_infer, mask=mask, with_entropy=True,
                                 token_chunk=5, vocab_chunk=64, backend=backend)
     weighted_loss(out.logp, out.entropy, out.ratio, weights).backward()
-    assert (out.logp - lp).abs().max() <= 1e-5 and (out.entropy - ent).abs().max() <= 1e-5
-    assert rel_err(out.ratio, ratio) <= 1e-5
-    assert (h.grad - gh).abs().max() <= 1e-5 and (w.grad - gw).abs().max() <= 1e-5
+    # fp32 bounds for a length-16 dot product, a 300-term logsumexp merged over 5 vocab chunks, and the
+    # upstream gradient's size (the ratio term's is c * ratio); see _tolerance
+    upstream = float(weights[0].abs().max() + (weights[2] * ratio).abs().max())
+    tol = linear_logprob_tols(hidden, weight, upstream, merges=5, entropy_upstream=float(weights[1].abs().max()))
+    assert (out.logp - lp).abs().max() <= tol["logp"] and (out.entropy - ent).abs().max() <= tol["entropy"]
+    assert rel_err(out.ratio, ratio) <= 2 * tol["logp"]  # exp(logp - logp_infer): relative error = logp's absolute
+    assert (h.grad - gh).abs().max() <= tol["grad_hidden"] and (w.grad - gw).abs().max() <= tol["grad_weight"]
     assert (out.logp <= 0).all()
 
 
@@ -80,8 +85,12 @@ def test_equals_unfused_path_on_3d_input_and_frozen_weight():
     ref = token_logprobs(hidden @ weight.T, targets)
     ref.logp.sum().backward()
     assert out.logp.shape == (2, 7)
-    assert (out.logp - ref.logp).abs().max() <= 1e-6
-    assert (grad_fused - hidden.grad).abs().max() <= 1e-6
+    # Both paths are fp32 with different reduction orders (chunked 20-wide vs the BLAS's blocking of one
+    # 90-wide matmul): each is within the fp32 bound of the exact value, so they differ by at most twice it.
+    # 1e-6 absolute failed on one machine (1.9e-6 on log-probs of size 12: two ulps).
+    tol = linear_logprob_tols(hidden, weight, upstream_max=1.0, merges=5)
+    assert (out.logp - ref.logp).abs().max() <= 2 * tol["logp"]
+    assert (grad_fused - hidden.grad).abs().max() <= 2 * tol["grad_hidden"]
 
 
 def test_no_logits_sized_tensor_is_ever_allocated():

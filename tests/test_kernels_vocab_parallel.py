@@ -7,6 +7,8 @@ import torch.multiprocessing as mp
 
 from megatron_search.kernels import linear_token_logprobs, token_logprobs
 
+from _tolerance import entropy_tol, linear_logprob_tols, logprob_tol, softmax_grad_tol
+
 T, H, V = 11, 8, 301  # odd V: rank 0 holds 150 ids, rank 1 holds 151 (explicit vocab_start/vocab_size)
 SPLIT = 150
 
@@ -60,14 +62,25 @@ def _free_port():
 
 def test_two_gloo_ranks_equal_single_process(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    full = _run(*_data())
+    data = _data()
+    full = _run(*data)
+    logits, hidden, weight, _, _, _, w = data
+    # Both sides are fp32 with other reduction orders (two vocab halves merged over the group, 64-wide vocab
+    # chunks): each is within the worst-case bound of the exact value, so they differ by at most twice it.
+    M = float(logits.abs().max())
+    up, up_ent = float(w[0].abs().max() + (w[2] * full["ratio"]).abs().max()), float(w[1].abs().max())
+    lin = linear_logprob_tols(hidden, weight, up, merges=4, entropy_upstream=up_ent)
+    tol = {"logp": logprob_tol(M, V, merges=2), "entropy": entropy_tol(M, V, merges=2), "lin_logp": lin["logp"],
+           "lin_entropy": lin["entropy"]}
+    tol["ratio"] = tol["logp"] * float(full["ratio"].abs().max())
+    tol["k3"] = tol["logp"] * (float(full["ratio"].abs().max()) + 1)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r, (lo, hi) in enumerate([(0, SPLIT), (SPLIT, V)]):
         got = ranks[r]
         for key in ("logp", "entropy", "ratio", "lin_logp", "lin_entropy", "k3"):
-            assert (got[key] - full[key]).abs().max() <= 1e-5, (r, key)
+            assert (got[key] - full[key]).abs().max() <= 2 * tol[key], (r, key)
         assert (got["logp"] <= 0).all()
-        assert (got["grad_logits"] - full["grad_logits"][:, lo:hi]).abs().max() <= 1e-5
-        assert (got["grad_weight"] - full["grad_weight"][lo:hi]).abs().max() <= 1e-5
+        assert (got["grad_logits"] - full["grad_logits"][:, lo:hi]).abs().max() <= 2 * softmax_grad_tol(up, M, V, merges=2, entropy_upstream=up_ent)
+        assert (got["grad_weight"] - full["grad_weight"][lo:hi]).abs().max() <= 2 * lin["grad_weight"]
         # grad_hidden is all-reduced over the group, so every rank holds the full-vocabulary gradient
-        assert (got["grad_hidden"] - full["grad_hidden"]).abs().max() <= 1e-5
+        assert (got["grad_hidden"] - full["grad_hidden"]).abs().max() <= 2 * lin["grad_hidden"]

@@ -94,7 +94,9 @@ def test_logits_match_transformers(dist_ctx, tmp_path, norm_topk_prob):
         expected = hf(tokens).logits
         got = model(tokens, positions, None)
     assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() <= 1e-4
+    # Two fp32 implementations (Megatron's fused/blocked ops vs transformers' eager ones) through every layer:
+    # their reduction orders differ, so the bound is relative to the logits' size (as in test_models_qwen3_5).
+    assert (got - expected).abs().max().item() <= 1e-4 * max(1.0, expected.abs().max().item())
 
 
 def test_forward_backward_reaches_every_parameter(dist_ctx):

@@ -1,7 +1,7 @@
 """HF <-> Megatron on 2 gloo processes (TP=2+SP, EP=2, PP=2), both architectures, one spawn.
 
 References come from the HF model itself (transformers, fp32): its logits, its greedy generation,
-and the safetensors it saved. Checked: Megatron logits at every layout (max abs diff <= 1e-4);
+and the safetensors it saved. Checked: Megatron logits at every layout (max abs diff <= 1e-4 of their size);
 the exporter gives back every stored tensor bit for bit; a distributed checkpoint saved at TP=2
 and exported at PP=2 equals the original files (vision weights carried through); each delivery
 path makes the local engine generate exactly what HF generates; routing replay forces the
@@ -74,8 +74,10 @@ def test_logits_match_hf(run, name, layout):
     _, refs, per_rank = run
     got = [r[name]["logits"][layout] for r in per_rank if layout in r[name]["logits"]]
     assert got  # the last stage's TP rank 0 (every DP replica) reports logits
+    ref = refs[name]["logits"]
     for logits in got:
-        assert (logits - refs[name]["logits"]).abs().max().item() <= 1e-4
+        # fp32 at another layout sums in another order (TP partial sums, EP token dispatch): relative bound
+        assert (logits - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("name", ARCHS)
