@@ -130,8 +130,10 @@ def _delivery_and_replay(ctx, chunks, arch, arch_dir: str, prompt: list[int], wo
             with torch.no_grad():  # scramble the engine so each path has to deliver everything
                 for p in engine.runner.model.parameters():
                     p.add_(torch.randn_like(p))
-        sync = WeightSync([engine] if rank0 else [], mode=mode, bucket_bytes=600 << 10, disk_dir=work / f"disk_{mode}",
-                          inflight="abort" if mode == "disk" else "finish")
+        # the engine lives in rank 0's process: only rank 0 can feed it (rank 1 sends its shards to rank 0)
+        sync = WeightSync([engine] if rank0 else [None], mode=mode, bucket_bytes=600 << 10,
+                          disk_dir=work / f"disk_{mode}", inflight="abort" if mode == "disk" else "finish",
+                          senders=[0])
         if rank0:
             sync._loop = loop
         stats = sync.push(chunks, arch, ctx.groups, version=f"{mode}-1")
@@ -140,7 +142,7 @@ def _delivery_and_replay(ctx, chunks, arch, arch_dir: str, prompt: list[int], wo
             out[mode] = {"ids": res.output_ids, "version": res.weight_version, "buckets": stats.buckets}
             out["experts"] = torch.as_tensor(res.routed_experts_NLK)
             if mode == "distributed":
-                loop.run_until_complete(engine.destroy_weights_update_group())
+                loop.run_until_complete(engine.destroy_weights_update_group("weight_update_group_r0"))
     # Routing replay on the full sequence prompt + generation (the engine's last token never ran).
     seq = torch.tensor([prompt + out["tensor"]["ids"]] if rank0 else [[0] * (len(prompt) + new_tokens)])
     dist.broadcast(seq, src=0)

@@ -59,7 +59,7 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
         try:
             for i in range(r.num_engines):
                 servers.append(launch_local_server(str(config_path), [], out / f"local_engine_{i}.log",
-                                                   r.local.startup_timeout_s))
+                                                   r.local.startup_timeout_s, host=r.local.host))
         except BaseException:
             for s in servers:
                 s.stop()

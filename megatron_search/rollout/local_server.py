@@ -250,6 +250,15 @@ async def get_weight_version(request: web.Request, engine: LocalEngine) -> web.R
     return web.json_response({"weight_version": engine.weight_version})
 
 
+@handler
+async def weights_sha256(request: web.Request, engine: LocalEngine) -> web.Response:
+    """Not an SGLang endpoint (hence the /local prefix): per-parameter sha256, for bitwise weight-sync checks."""
+    from .local_weights import weights_sha256 as digest
+
+    return web.json_response({"weight_version": engine.weight_version,
+                              "sha256": await asyncio.to_thread(digest, engine.runner.model)})
+
+
 def build_app(engine: LocalEngine, chat=None) -> web.Application:
     """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions."""
     app = web.Application(client_max_size=1 << 31)
@@ -269,7 +278,8 @@ def build_app(engine: LocalEngine, chat=None) -> web.Application:
     for path, fn in post.items():
         app.router.add_post(path, fn)
     for path, fn in {"/flush_cache": flush_cache, "/health": health, "/health_generate": health_generate,
-                     "/get_model_info": get_model_info, "/get_weight_version": get_weight_version}.items():
+                     "/get_model_info": get_model_info, "/get_weight_version": get_weight_version,
+                     "/local/weights_sha256": weights_sha256}.items():
         app.router.add_route("GET", path, fn)
         app.router.add_route("POST", path, fn)
     if chat is not None:

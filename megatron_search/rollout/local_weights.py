@@ -68,6 +68,17 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     return len(plan), skipped
 
 
+def weights_sha256(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of every parameter's bytes by name: lets a test check that an engine holds exactly the trainer's weights."""
+    import hashlib
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach().contiguous().cpu()
+        out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    return out
+
+
 def read_safetensors_dir(path: str | Path) -> list[tuple[str, torch.Tensor]]:
     """All tensors of the *.safetensors files in an HF checkpoint directory (sorted by file)."""
     path = Path(path)

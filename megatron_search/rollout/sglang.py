@@ -351,12 +351,13 @@ def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: st
 
 
 def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
-                        timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None) -> ServerProcess:
-    """Start the local CPU engine server (free port) and wait until it is healthy."""
+                        timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None,
+                        host: str = "127.0.0.1") -> ServerProcess:
+    """Start the local CPU engine server on `host` (free port) and wait until it is healthy."""
     port_file = Path(str(log_path) + ".port")
     port_file.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
-    argv += ([config] if config else []) + list(overrides) + ["--port", "0", "--port-file", str(port_file)]
+    argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file)]
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
     server = ServerProcess(argv, log_path, env)
@@ -367,5 +368,5 @@ def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] =
             raise EngineError(f"local engine server did not start (log {log_path}):\n{server.log_tail()}")
         time.sleep(0.1)
     port = int(port_file.read_text())
-    server.wait_healthy(f"http://127.0.0.1:{port}", max(1.0, deadline - time.monotonic()))
+    server.wait_healthy(f"http://{host}:{port}", max(1.0, deadline - time.monotonic()))
     return server

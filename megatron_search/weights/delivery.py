@@ -1,28 +1,34 @@
-"""Push the trainer's weights into rollout engines: the three SGLang update paths, with versions.
+"""Push the trainer's weights into rollout engines, owner-parallel: every training rank sends what it owns.
 
-    sync = WeightSync(engines, mode="tensor" | "distributed" | "disk", bucket_bytes=512 << 20)
-    stats = sync.push(model_chunks, arch, groups)     # on every training rank, every GRPO step
+    sync = WeightSync(urls_or_engines, mode="tensor" | "distributed" | "disk",
+                      rank_node=[...], engine_node=[...] or None, bucket_bytes=512 << 20)
+    stats = sync.push(model_chunks, arch, groups, version)   # on every training rank, every GRPO step
 
-Every training rank runs the exporter (it is collective); only `dst_rank` (rank 0) talks to the
-engines. The paths:
-  tensor       POST /update_weights_from_tensor per bucket (colocated engines).
-  distributed  /init_weights_update_group once (the trainer hosts a gloo group here, NCCL on
-               GPU hosts through SGLang), then per bucket /update_weights_from_distributed
-               announcing names/dtypes/shapes while the trainer broadcasts the tensors.
-  disk         the buckets are written as one safetensors checkpoint (temp dir, then renamed),
-               then POST /update_weights_from_disk.
-In-flight requests (rollout.inflight_on_update): "abort" pauses with abort (they end with
-finish_reason abort) and "finish" pauses in place (they keep their state and finish on the new
-weights once generation continues). Either way no request decodes on a half-updated model:
-the engines are paused from the first bucket to the last. The weight version is set with the
-last bucket only, so an engine reporting version v holds all of v.
+The send plan (weights/send_plan.py) names, for every parameter and destination, the rank that
+assembles and sends it; `HFExporter` moves the TP shards to those ranks round by round. Then:
+  colocated (engine_node given)   engine i is fed only by the training ranks on its node
+                                  (CUDA IPC handles open only there): POST /update_weights_from_tensor.
+  disaggregated (engine_node None) every engine gets every byte: with mode "distributed" each sending
+                                  rank hosts its own broadcast group with every engine (one
+                                  /init_weights_update_group per sender, NCCL on GPUs) and broadcasts
+                                  its buckets; mode "tensor" posts each bucket to each engine (the CPU
+                                  engine's portable payload; SGLang's IPC payload cannot cross nodes).
+  disk (either)                   each sender writes its buckets as safetensors files into one
+                                  directory per destination; the engine loads it with
+                                  /update_weights_from_disk.
+Order, per engine (its controller is the rank that sends the destination's last parameter):
+pause (abort, or in place for rollout.inflight_on_update=finish) -> every rank's buckets without a
+version -> a barrier over the training ranks -> the controller's held-back last bucket carrying the
+weight version (so an engine reporting version v holds all of v) -> continue. The cache is flushed
+with the last bucket only when nothing is held in place (SGLang asserts on a flush that fails while
+requests are held); with in-place pauses it is flushed after generation continues.
 """
 from __future__ import annotations
 
 import asyncio
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
@@ -31,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
 from megatron_search.weights.export import HFExporter
-from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
+from megatron_search.weights.send_plan import (Destination, colocated_destinations, disaggregated_destination)
 
 Mode = Literal["tensor", "distributed", "disk"]
 Inflight = Literal["abort", "finish"]
@@ -40,9 +46,13 @@ Inflight = Literal["abort", "finish"]
 @dataclass
 class SyncStats:
     version: str
-    bytes: int
-    buckets: int
+    bytes: int  # HF bytes of the model (one copy)
+    buckets: int  # rounds
     seconds: float
+    sent_bytes: int = 0  # what this rank put on its links (engine-bound x fanout + shards to other senders)
+    rank_sent_bytes: list[int] = field(default_factory=list)  # the plan's figure for every rank
+    peak_extra_bytes: int = 0  # this rank's largest round (assembled + pulled shards), from the plan
+    flush_deferred: int = 0  # engines whose post-continue flush was refused because requests were running
 
     @property
     def gb_per_s(self) -> float:
@@ -50,118 +60,244 @@ class SyncStats:
 
 
 class WeightSync:
-    """Pushes exported HF tensors to a list of engines (rollout.engine.Engine)."""
+    """Owner-parallel weight delivery to a list of engines (rollout.engine.Engine, same order on every rank)."""
 
     def __init__(self, engines: Sequence, mode: Mode = "tensor", *, bucket_bytes: int = 512 << 20,
                  inflight: Inflight = "finish", out_dtype: Optional[torch.dtype] = None,
-                 disk_dir: Optional[str | Path] = None, master_address: str = "127.0.0.1",
-                 master_port: Optional[int] = None, engine_ranks: Optional[Sequence[int]] = None,
-                 group_name: str = "weight_update_group", dst_rank: int = 0, world_group=None):
+                 disk_dir: Optional[str | Path] = None, sender_address: str = "127.0.0.1",
+                 engine_ranks: Optional[Sequence[int]] = None, group_name: str = "weight_update_group",
+                 rank_node: Optional[Sequence[int]] = None, engine_node: Optional[Sequence[int]] = None,
+                 world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None):
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk, got {mode!r}")
         if inflight not in ("abort", "finish"):
             raise ValueError(f"inflight must be abort or finish, got {inflight!r}")
         if mode == "disk" and disk_dir is None:
             raise ValueError("weight sync mode 'disk' needs disk_dir")
+        if mode == "distributed" and engine_node is not None:
+            raise ValueError("weight sync mode 'distributed' broadcasts to every engine (disaggregated); colocated "
+                             "engines take mode 'tensor' from their own node's ranks")
         self.engines = list(engines)
         self.mode, self.inflight = mode, inflight
         self.bucket_bytes, self.out_dtype = bucket_bytes, out_dtype
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
-        self.master_address, self.master_port = master_address, master_port
+        self.sender_address, self.backend = sender_address, backend
         self.engine_ranks = list(engine_ranks) if engine_ranks is not None else [1] * len(self.engines)
-        self.group_name, self.dst_rank, self.world_group = group_name, dst_rank, world_group
+        self.group_name, self.world_group = group_name, world_group
+        self.rank = dist.get_rank(world_group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(world_group) if dist.is_initialized() else 1
+        self.rank_node = list(rank_node) if rank_node is not None else [0] * self.world
+        if len(self.rank_node) != self.world:
+            raise ValueError(f"rank_node has {len(self.rank_node)} entries for a world of {self.world}")
+        self.engine_node = list(engine_node) if engine_node is not None else None
+        if self.engine_node is not None and len(self.engine_node) != len(self.engines):
+            raise ValueError(f"engine_node has {len(self.engine_node)} entries for {len(self.engines)} engines")
+        self.destinations = destinations_for(self.rank_node, self.engine_node, len(self.engines), mode != "tensor",
+                                             senders)
         self.version = 0
-        self._group = None
+        self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
+        self._files_written = 0  # disk mode: this rank's files in the version being written
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- public -------------------------------------------------------------------------------
     def push(self, model_chunks, arch: Architecture, groups, version: Optional[str] = None) -> SyncStats:
-        """Export and deliver; collective over the training ranks. Returns the stats (all ranks)."""
+        """Export and deliver; collective over the training ranks. Returns this rank's stats."""
         self.version += 1
+        self._files_written = 0
         tag = str(version if version is not None else self.version)
-        exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, dst_rank=self.dst_rank,
-                              out_dtype=self.out_dtype, world_group=self.world_group)
-        is_dst = not dist.is_initialized() or dist.get_rank(self.world_group) == self.dst_rank
         start = time.perf_counter()
-        if not is_dst:
-            for _ in exporter:  # send our shards; dst does the talking
-                pass
-        else:
-            self._run(self._deliver(exporter, tag))
-        return SyncStats(tag, exporter.total_bytes, len(exporter.buckets), time.perf_counter() - start)
+        exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, out_dtype=self.out_dtype,
+                              world_group=self.world_group, destinations=self.destinations, rank_node=self.rank_node)
+        plan = exporter.plan
+        final = self._final_assignments(plan)
+        controlled = [d for d, k in final.items() if plan.assignments[k].sender == self.rank]
+        deferred = 0
+        self._run(self._control(controlled, "pause"))
+        try:
+            if self.mode == "distributed":
+                self._open_groups(plan)
+            self._barrier()
+            held: dict[int, list] = {}
+            for k_round, mine in enumerate(exporter.rounds()):
+                ready = {}
+                for d, bucket in mine.items():
+                    if d in controlled and final[d] in plan.rounds[k_round].get(self.rank, []):
+                        held[d] = bucket  # goes last, with the version, once every rank is done
+                    else:
+                        ready[d] = bucket
+                del mine
+                for _ in self._turns(plan.rounds[k_round]):
+                    for d, bucket in ready.items():
+                        self._run(self._deliver(d, bucket, None, tag))
+                del ready
+            self._barrier()
+            for d in controlled:
+                self._run(self._deliver(d, held.pop(d, []), tag, tag))
+        finally:
+            self._run(self._control(controlled, "continue"))
+        if self.inflight == "finish":
+            deferred = self._run(self._flush_after_continue(controlled))
+        self._barrier()
+        sent = plan.sent_bytes()
+        return SyncStats(tag, exporter.total_bytes, len(plan.rounds), time.perf_counter() - start,
+                         sent[self.rank], sent, plan.peak_extra_bytes()[self.rank], deferred)
 
     def close(self) -> None:
-        """Leave the update group (distributed mode) and stop the private event loop."""
-        if self._group is not None and self._loop is not None:
-            self._run(asyncio.gather(*(e.destroy_weights_update_group(self.group_name) for e in self.engines)))
+        """Leave this rank's broadcast group (distributed mode) and stop the private event loop."""
+        if self._group is not None:
+            name = self._my_group_name()
+
+            async def leave():
+                await asyncio.gather(*(e.destroy_weights_update_group(name) for e in self.engines))
+
+            self._run(leave())
             self._group = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- plan helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _final_assignments(plan) -> dict[int, int]:
+        """Per destination, the assignment sent last (its sender controls the destination's engines)."""
+        last: dict[int, int] = {}
+        for k, a in enumerate(plan.assignments):
+            last[a.dest] = k
+        return last
+
+    def _turns(self, senders):
+        """Yield once when this rank may deliver. Broadcast groups take turns, one sender at a time in rank
+        order: an engine serves weight requests one by one, so two senders whose groups both span two
+        engines would each hold one engine waiting for the other. The engines' own links stay the bound.
+        HTTP tensor posts and disk writes have no such coupling and all go at once."""
+        if self.mode != "distributed":
+            yield
+            return
+        for s in sorted(senders):
+            if s == self.rank:
+                yield
+            self._barrier()
+
+    def _open_groups(self, plan) -> None:
+        """Every sending rank hosts its broadcast group with every engine, opened one at a time (see _turns)."""
+        senders = sorted({s for rnd in plan.rounds for s in rnd})
+        for _ in self._turns(senders):
+            if self._group is None:
+                self._run(self._open_group())
+
+    def _my_group_name(self) -> str:
+        return f"{self.group_name}_r{self.rank}"
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and self.world > 1:
+            dist.barrier(group=self.world_group)
+
+    # ---- engine calls -------------------------------------------------------------------------
     def _run(self, coro):
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(coro)
 
-    async def _all(self, make):
-        await asyncio.gather(*(make(e) for e in self.engines))
+    def _engines_of(self, d: int) -> list:
+        out = [self.engines[i] for i in self.destinations[d].engines]
+        if any(e is None for e in out):
+            raise RuntimeError(f"weight sync: rank {self.rank} must feed {self.destinations[d].name} but holds no "
+                               f"client for it (pass senders= to keep it off that destination)")
+        return out
 
-    async def _deliver(self, exporter: HFExporter, tag: str) -> None:
-        abort = self.inflight == "abort"
-        await self._all(lambda e: e.pause_generation("abort" if abort else "in_place"))
-        try:
-            if self.mode == "disk":
-                await self._deliver_disk(exporter, tag)
-            else:
-                if self.mode == "distributed" and self._group is None:
-                    await self._open_group()
-                n = len(exporter.buckets)
-                for i, bucket in enumerate(exporter):
-                    last = i == n - 1
-                    await self._send_bucket(bucket, tag if last else None, last)
-        finally:
-            await self._all(lambda e: e.continue_generation())
+    async def _control(self, dests: Sequence[int], what: str) -> None:
+        engines = [e for d in dests for e in self._engines_of(d)]
+        if what == "pause":
+            mode = "abort" if self.inflight == "abort" else "in_place"
+            await asyncio.gather(*(e.pause_generation(mode) for e in engines))
+        else:
+            await asyncio.gather(*(e.continue_generation() for e in engines))
 
-    async def _send_bucket(self, bucket, version: Optional[str], last: bool) -> None:
-        if self.mode == "tensor":
-            await self._all(lambda e: e.update_weights_from_tensor(bucket, weight_version=version, flush_cache=last))
-            return
-        from megatron_search.rollout.weight_group import send_named_tensors
+    async def _flush_after_continue(self, dests: Sequence[int]) -> int:
+        """In-place pauses: flush once generation runs again; an engine still busy refuses (counted)."""
+        from megatron_search.rollout.engine import EngineError
 
-        names = [n for n, _ in bucket]
-        dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        engines = self._all(lambda e: e.update_weights_from_distributed(
-            names, dtypes, shapes, group_name=self.group_name, weight_version=version, flush_cache=last))
-        await asyncio.gather(engines, asyncio.to_thread(send_named_tensors, self._group, bucket))
+        refused = 0
+        for e in (e for d in dests for e in self._engines_of(d)):
+            try:
+                await e.flush_cache()
+            except EngineError:
+                refused += 1
+        return refused
+
+    async def _deliver(self, d: int, bucket, version: Optional[str], tag: str) -> None:
+        last = version is not None
+        flush = last and self.inflight == "abort"
+        engines = self._engines_of(d)
+        if self.mode == "disk":
+            await self._deliver_disk(d, bucket, last, tag)
+        elif self.mode == "tensor":
+            if bucket or last:
+                await asyncio.gather(*(e.update_weights_from_tensor(bucket, weight_version=version, flush_cache=flush)
+                                       for e in engines))
+        elif bucket or last:
+            from megatron_search.rollout.weight_group import send_named_tensors
+
+            names = [n for n, _ in bucket]
+            dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            calls = asyncio.gather(*(e.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self._my_group_name(), weight_version=version, flush_cache=flush)
+                for e in engines))
+            await asyncio.gather(calls, asyncio.to_thread(send_named_tensors, self._group, bucket))
 
     async def _open_group(self) -> None:
+        """This rank hosts a broadcast group with every engine: rank 0 here, engines from rank 1 on."""
         from megatron_search.distributed.init import free_port
         from megatron_search.rollout.weight_group import open_gloo_group
 
-        port = self.master_port or free_port(self.master_address)
+        port = free_port(self.sender_address)
         world = 1 + sum(self.engine_ranks)
         offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.engines))]
-        joins = [e.init_weights_update_group(self.master_address, port, off, world, self.group_name, "gloo")
+        name = self._my_group_name()
+        joins = [e.init_weights_update_group(self.sender_address, port, off, world, name, self.backend)
                  for e, off in zip(self.engines, offsets)]
-        trainer = asyncio.to_thread(open_gloo_group, self.master_address, port, 0, world, self.group_name)
+        trainer = asyncio.to_thread(open_gloo_group, self.sender_address, port, 0, world, name)
         results = await asyncio.gather(trainer, *joins)
         self._group = results[0]
 
-    async def _deliver_disk(self, exporter: HFExporter, tag: str) -> None:
-        final = self.disk_dir / f"weights_v{tag}"
-        tmp = self.disk_dir / f".weights_v{tag}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes=max(self.bucket_bytes, 1))
-        for bucket in exporter:
-            for name, t in bucket:
-                writer.add(name, t)
-        writer.close()
+    def _disk_paths(self, d: int, tag: str) -> tuple[Path, Path]:
+        base = self.disk_dir / self.destinations[d].name
+        return base / f".weights_v{tag}.tmp", base / f"weights_v{tag}"
+
+    async def _deliver_disk(self, d: int, bucket, last: bool, tag: str) -> None:
+        """Each sender writes its own files; the controller renames the directory and has the engines load it."""
+        from safetensors.torch import save_file
+
+        tmp, final = self._disk_paths(d, tag)
+        if bucket:
+            tmp.mkdir(parents=True, exist_ok=True)
+            self._files_written += 1
+            path = tmp / f"model-r{self.rank:05d}-{self._files_written:05d}.safetensors"
+            save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(path.with_suffix(".part")),
+                      metadata={"format": "pt"})
+            path.with_suffix(".part").rename(path)
+        if not last:
+            return
+        tmp.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        await self._all(lambda e: e.update_weights_from_disk(str(final), weight_version=tag))
-        for old in self.disk_dir.glob("weights_v*"):  # keep only the version the engines now serve
+        self._files_written = 0
+        await asyncio.gather(*(e.update_weights_from_disk(str(final), weight_version=tag) for e in self._engines_of(d)))
+        for old in final.parent.glob("weights_v*"):  # keep only the version the engines now serve
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def destinations_for(rank_node: Sequence[int], engine_node: Optional[Sequence[int]], n_engines: int,
+                     broadcast: bool, senders: Optional[Sequence[int]] = None) -> list[Destination]:
+    """The destinations a WeightSync with these arguments plans for (the planner prices the same list).
+    `senders` restricts which ranks may send (an in-process engine is reachable from its own rank only)."""
+    if engine_node is not None:
+        out = colocated_destinations(rank_node, engine_node)
+    else:
+        out = disaggregated_destination(len(rank_node), n_engines, broadcast)
+    if senders is not None:
+        allowed = set(senders)
+        out = [Destination(d.name, d.engines, tuple(r for r in d.ranks if r in allowed), d.fanout) for d in out]
+    return out

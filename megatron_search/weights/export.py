@@ -1,16 +1,21 @@
 """Export a (TP/PP/EP-sharded) Megatron model as HF-named full tensors, in buckets of bounded size.
 
-Collective: every rank of the training world calls it and iterates to the end. Each rank first
-publishes what it holds (global name, TP coordinates, shape, dtype); from that all ranks derive
-the same plan: the order of parameters (HF layer order), which rank sends which shard, and where
-buckets end. Then, bucket by bucket, the owners of the shards (lowest global rank holding each
-TP shard: one data-parallel replica, the EP rank that owns the expert, the PP stage that owns
-the layer) send them point-to-point to `dst_rank`, one packed message per owner and bucket;
-dst reassembles each full tensor with the table's TP layout and converts it to HF names. Buckets are yielded on every rank in the same
-sequence (empty on ranks other than `dst_rank`) so callers can keep collectives in step.
+Collective: every rank of the training world builds it with the same arguments and iterates to the
+end. Each rank first publishes what it holds (global name, TP coordinates, shape, dtype); from that
+all ranks derive the same plan (weights/send_plan.py): the parameters in HF layer order, and for
+each parameter and destination the *sender* rank that assembles it and where each of its TP shards
+comes from. Then, round by round, the shards move point-to-point to their senders (on the device the
+parameters live on: NCCL moves CUDA tensors, gloo host tensors) and each sender reassembles its full
+tensors with the table's TP layout and converts them to HF names.
 
-Peak extra memory on `dst_rank` is about two buckets (received shards + the HF tensors being
-yielded); a sending rank holds one packed copy of its share of a bucket.
+The default plan gathers everything on `dst_rank` (checkpoint conversion writes from one rank);
+the weight sync passes destinations so that every rank sends what it owns (owner-parallel).
+`rounds()` yields, per round, this rank's {destination: bucket}; iterating the exporter yields the
+buckets flattened (empty on ranks with nothing to send that round), in the same sequence on every
+rank so callers can keep collectives in step.
+
+Peak extra memory per rank is about one bucket of assembled HF tensors plus the shards it pulled
+for them; shards it sends to others go out as views of its parameters (no packed copy).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import Mapping, MappingError, Match
 from megatron_search.weights.params import LocalParam, local_params, padded_vocab_size
+from megatron_search.weights.send_plan import Destination, ParamShards, SendPlan, build_send_plan
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -39,8 +45,9 @@ class PlanEntry:
     match: Match
     full_shape: tuple[int, ...]
     dtype: torch.dtype
-    owners: list[int]  # global rank holding TP shard i
+    owners: list[int]  # lowest global rank holding TP shard i
     shard_shapes: list[tuple[int, ...]]
+    holders: list[list[int]]  # every global rank holding TP shard i (its data-parallel replicas)
     zero_centered: bool
     hf: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
@@ -69,19 +76,27 @@ class HFExporter:
     """Plan and run the export. Build it on every rank with the same arguments."""
 
     def __init__(self, model_chunks, arch: Architecture, groups, bucket_bytes: int, *, dst_rank: int = 0,
-                 out_dtype: Optional[torch.dtype] = None, world_group=None):
+                 out_dtype: Optional[torch.dtype] = None, world_group=None,
+                 destinations: Optional[Sequence[Destination]] = None, rank_node: Optional[Sequence[int]] = None):
         if bucket_bytes <= 0:
             raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_group = world_group
         self.rank = dist.get_rank(world_group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(world_group) if dist.is_initialized() else 1
         self.dst_rank = dst_rank
         self.out_dtype = out_dtype
         self.bucket_bytes = bucket_bytes
         mapping0 = Mapping(arch)
         self.local: dict[str, LocalParam] = {p.global_name: p for p in local_params(model_chunks, mapping0, groups)}
+        first = next(iter(self.local.values()), None)
+        self.device = first.tensor.device if first is not None else torch.device("cpu")
         self.mapping = Mapping(arch, padded_vocab_size(list(self.local.values()), arch.vocab_size))
         self.entries = self._plan_entries()
-        self.buckets = self._plan_buckets()
+        self.buckets = self._plan_buckets()  # checks every parameter fits a bucket (the error names the tensor)
+        if destinations is None:
+            destinations = [Destination(f"rank{dst_rank}", (), (dst_rank,))]
+        self.plan: SendPlan = build_send_plan(self.param_shards(), destinations,
+                                              rank_node if rank_node is not None else [0] * self.world, bucket_bytes)
 
     # ---- planning (identical on every rank) ---------------------------------------------------
     def _plan_entries(self) -> list[PlanEntry]:
@@ -101,6 +116,7 @@ class HFExporter:
                     raise MappingError(f"{name}: ranks disagree on its TP size")
                 if d["owners"][tp_rank] is None:
                     d["owners"][tp_rank], d["shapes"][tp_rank] = rank, shape
+                d.setdefault("holders", [[] for _ in range(tp_size)])[tp_rank].append(rank)
         entries = []
         for name, d in merged.items():
             if any(o is None for o in d["owners"]):
@@ -110,7 +126,7 @@ class HFExporter:
             if m.rule.tp.dim is not None:
                 full[m.rule.tp.dim] = sum(s[m.rule.tp.dim] for s in d["shapes"])
             e = PlanEntry(name, m, tuple(full), getattr(torch, d["dtype"].split(".")[-1]), d["owners"],
-                          d["shapes"], d["zc"])
+                          d["shapes"], d["holders"], d["zc"])
             e.hf = [(n, tuple(t.shape)) for n, t in
                     self.mapping.to_hf(m, torch.empty(e.full_shape, device="meta"), e.zero_centered)]
             entries.append(e)
@@ -138,6 +154,12 @@ class HFExporter:
             used += size
         return [b for b in buckets if b]
 
+    def param_shards(self) -> list[ParamShards]:
+        """The planner's view of every entry (same order as `entries`)."""
+        return [ParamShards(e.name, tuple(tuple(h) for h in e.holders),
+                            tuple(_numel(s) * e.dtype.itemsize for s in e.shard_shapes), e.hf_bytes(self.out_dtype))
+                for e in self.entries]
+
     def bucket_meta(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
         """Names, shapes and dtypes of every bucket, known on every rank before any data moves."""
         return [[(n, s, self.out_dtype or e.dtype) for e in b for n, s in e.hf] for b in self.buckets]
@@ -147,49 +169,57 @@ class HFExporter:
         return sum(e.hf_bytes(self.out_dtype) for e in self.entries)
 
     # ---- data movement ------------------------------------------------------------------------
-    def _remote_shards(self, plan: list[PlanEntry]) -> dict[tuple[str, int], torch.Tensor]:
-        """Move one bucket's remote shards: each owner packs its shards into one byte buffer and
-        sends it in a single message (few large messages instead of one per expert slice).
-        Returns {(name, shard index): shard} on dst, {} elsewhere."""
-        want: dict[int, list[tuple[PlanEntry, int]]] = {}
-        for e in plan:
-            for i, owner in enumerate(e.owners):
-                if owner != self.dst_rank:
-                    want.setdefault(owner, []).append((e, i))
-        got: dict[tuple[str, int], torch.Tensor] = {}
-        for owner in sorted(want):
-            items = want[owner]
-            if self.rank == owner:
-                flat = [self.local[e.name].tensor.detach().contiguous().reshape(-1).view(torch.uint8) for e, _ in items]
-                dist.send(torch.cat(flat), dst=self.dst_rank, group=self.world_group)
-            elif self.rank == self.dst_rank:
-                sizes = [_numel(e.shard_shapes[i]) * e.dtype.itemsize for e, i in items]
-                buf = torch.empty(sum(sizes), dtype=torch.uint8)
-                dist.recv(buf, src=owner, group=self.world_group)
-                for (e, i), part in zip(items, torch.split(buf, sizes)):
-                    if part.storage_offset() % e.dtype.itemsize:  # mixed dtypes: realign before the view
-                        part = part.clone()
-                    got[(e.name, i)] = part.view(e.dtype).reshape(e.shard_shapes[i])
+    def _move_shards(self, ids: list[int]) -> dict[tuple[int, int], torch.Tensor]:
+        """One round's point-to-point shard moves, all posted before any is waited on. Sources send their
+        parameter tensors as they are (contiguous views, no packed copy). Returns {(assignment, shard): tensor}
+        received by this rank."""
+        ops, got = [], {}
+        for k in ids:
+            a = self.plan.assignments[k]
+            e = self.entries[a.param]
+            for i, src in enumerate(a.sources):
+                if src == a.sender:
+                    continue
+                if self.rank == src:
+                    ops.append(dist.P2POp(dist.isend, self.local[e.name].tensor.detach().contiguous(), a.sender,
+                                          group=self.world_group))
+                elif self.rank == a.sender:
+                    buf = torch.empty(e.shard_shapes[i], dtype=e.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, src, group=self.world_group))
+                    got[(k, i)] = buf
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
         return got
 
+    def _assemble(self, k: int, remote: dict) -> list[tuple[str, torch.Tensor]]:
+        a = self.plan.assignments[k]
+        e = self.entries[a.param]
+        shards = [self.local[e.name].tensor.detach() if src == self.rank else remote.pop((k, i))
+                  for i, src in enumerate(a.sources)]
+        full = e.match.rule.tp.gather(shards, self.mapping.ctx)
+        out = []
+        for name, t in self.mapping.to_hf(e.match, full, e.zero_centered):
+            if self.out_dtype is not None and t.dtype != self.out_dtype:
+                t = t.to(self.out_dtype)
+            elif e.name in self.local and _shares_storage(t, self.local[e.name].tensor):
+                t = t.clone()  # never hand out a view of a live training parameter
+            out.append((name, t))
+        return out
+
+    def rounds(self) -> Iterator[dict[int, Bucket]]:
+        """Per round, this rank's assembled tensors by destination index ({} when it sends nothing)."""
+        for rnd in self.plan.rounds:
+            ids = [k for sender_ids in rnd.values() for k in sender_ids]
+            remote = self._move_shards(ids)
+            mine: dict[int, Bucket] = {}
+            for k in rnd.get(self.rank, []):
+                mine.setdefault(self.plan.assignments[k].dest, []).extend(self._assemble(k, remote))
+            yield mine
+
     def __iter__(self) -> Iterator[Bucket]:
-        for plan in self.buckets:
-            remote = self._remote_shards(plan)
-            bucket: Bucket = []
-            if self.rank != self.dst_rank:
-                yield bucket
-                continue
-            for e in plan:
-                shards = [self.local[e.name].tensor.detach() if owner == self.rank else remote.pop((e.name, i))
-                          for i, owner in enumerate(e.owners)]
-                full = e.match.rule.tp.gather(shards, self.mapping.ctx)
-                for name, t in self.mapping.to_hf(e.match, full, e.zero_centered):
-                    if self.out_dtype is not None and t.dtype != self.out_dtype:
-                        t = t.to(self.out_dtype)
-                    elif e.name in self.local and _shares_storage(t, self.local[e.name].tensor):
-                        t = t.clone()  # never hand out a view of a live training parameter
-                    bucket.append((name, t))
-            yield bucket
+        for mine in self.rounds():
+            yield [item for bucket in mine.values() for item in bucket]
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
