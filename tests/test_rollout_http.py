@@ -125,6 +125,7 @@ def test_weight_updates_over_http(server, model_a, tmp_path):
     async def go():
         client = SGLangClient(server.url)
         try:
+            await client.begin_weight_update()
             await client.update_weights_from_tensor(list(model_b.named_parameters()), weight_version="v1")
             r = await client.generate(greedy)
             assert (r.output_ids, r.weight_version) == (want_b, "v1")
@@ -151,6 +152,7 @@ def test_weight_updates_over_http(server, model_a, tmp_path):
 
             with pytest.raises(EngineError, match="lm_headd.weight: no such parameter"):
                 await client.update_weights_from_tensor([("lm_headd.weight", torch.zeros(2048, 64))])
+            await client.end_weight_update()
             await client.update_weights_from_disk(str(tmp_path), weight_version="default")
             assert (await client.generate(greedy)).output_ids == want_a
         finally:

@@ -141,6 +141,7 @@ def test_weight_update_by_hf_name(tmp_path):
     original = per_expert_names(eng.runner.model)
 
     # per-expert names land in the fused tensors: the engine then IS the other model
+    run(eng.begin_weight_update())  # tensor updates run inside a session (SGLang >= 0.5.23)
     run(eng.update_weights_from_tensor(per_expert_names(other), weight_version="v1"))
     for (n, a), (_, b) in zip(eng.runner.model.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), n
@@ -156,6 +157,7 @@ def test_weight_update_by_hf_name(tmp_path):
         run(eng.update_weights_from_tensor([("model.layers.0.mlp.gatee.weight", torch.zeros(4, 64))]))
     for n, t in eng.runner.model.state_dict().items():
         assert torch.equal(t, snapshot[n]), n
+    run(eng.end_weight_update())
 
     # from disk (HF per-expert checkpoint layout) back to the original weights
     save_file(dict(original), str(tmp_path / "model.safetensors"))
@@ -186,8 +188,10 @@ def test_pause_abort_and_release():
         await eng.continue_generation()
         await eng.release_memory_occupation(["weights"])
         assert not await eng.health()
+        await eng.begin_weight_update()
         with pytest.raises(EngineError, match="released"):
             await eng.update_weights_from_tensor([("lm_head.weight", torch.zeros(2048, 64))])
+        await eng.end_weight_update()
         await eng.resume_memory_occupation(["weights"])
         assert await eng.health()
         await eng.close()
@@ -258,3 +262,86 @@ def test_cached_states_own_their_memory(qwen3):
                 assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
         assert all(e.base is None for e in state.experts)
         assert len(state.routed_experts()) == len(state.tokens)
+
+
+# --- the request orders SGLang 0.5.23 refuses: the local engine refuses each of them too ----------
+# (sglang/srt/managers/scheduler_components/weight_updater.py: sessions, flush after update;
+#  scheduler.py: flush_cache and release_memory_occupation only when idle; resume of an unreleased tag)
+
+async def _running_request(eng, prompt):
+    """A long request that is being decoded (in the running batch) when this returns."""
+    steps = eng.steps
+    task = asyncio.ensure_future(eng.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=2000))))
+    while eng.steps < steps + 2:
+        await asyncio.sleep(0.01)
+    return task
+
+
+def test_weight_updates_outside_a_session_are_refused():
+    eng = LocalEngine(MODELS["qwen3_moe"], seed=0)
+    lm = [("lm_head.weight", eng.runner.model.lm_head.weight.detach().clone())]
+
+    async def scenario():
+        with pytest.raises(EngineError, match="between begin_weight_update"):
+            await eng.update_weights_from_tensor(lm)
+        with pytest.raises(EngineError, match="between begin_weight_update"):
+            await eng.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[2048, 64]], "g")
+        with pytest.raises(EngineError, match="no weight-update session"):
+            await eng.end_weight_update()
+        await eng.begin_weight_update()
+        with pytest.raises(EngineError, match="already open"):
+            await eng.begin_weight_update()
+        await eng.update_weights_from_tensor(lm, weight_version="s1")
+        await eng.end_weight_update()
+        assert eng.weight_version == "s1"
+        await eng.close()
+
+    run(scenario())
+
+
+def test_flush_while_requests_are_held_in_place_is_refused_and_retract_makes_it_safe():
+    eng = LocalEngine(MODELS["qwen3_moe"], seed=0)
+    p = prompts(1, 8, 9, seed=21)[0]
+    lm = [("lm_head.weight", eng.runner.model.lm_head.weight.detach().clone())]
+
+    async def scenario():
+        task = await _running_request(eng, p)
+        await eng.pause_generation("in_place")  # the request keeps its KV in the running batch
+        with pytest.raises(EngineError, match="Cache not flushed"):
+            await eng.flush_cache()
+        await eng.begin_weight_update()
+        with pytest.raises(EngineError, match="Weights were updated, but the cache was not flushed"):
+            await eng.update_weights_from_tensor(lm, weight_version="held", flush_cache=True)
+        assert eng.weight_version == "held"  # like SGLang: recorded on the load, before the flush check
+        await eng.pause_generation("retract")  # back to the queue, KV freed: idle while paused
+        await eng.update_weights_from_tensor(lm, weight_version="v2", flush_cache=True)
+        await eng.flush_cache()
+        await eng.end_weight_update()
+        await eng.continue_generation()
+        done = await task  # the retracted request finishes on the new weights
+        assert done.finish_reason.type != "abort" and done.weight_version == "v2"
+        await eng.close()
+
+    run(scenario())
+
+
+def test_release_when_busy_and_resume_of_an_unreleased_tag_are_refused():
+    eng = LocalEngine(MODELS["qwen3_moe"], seed=0)
+    p = prompts(1, 8, 9, seed=22)[0]
+
+    async def scenario():
+        task = await _running_request(eng, p)
+        with pytest.raises(EngineError, match="must be idle"):
+            await eng.release_memory_occupation(["kv_cache"])
+        with pytest.raises(EngineError, match="never released"):
+            await eng.resume_memory_occupation(["weights"])
+        await eng.pause_generation("abort")
+        await task
+        await eng.release_memory_occupation(["kv_cache"])
+        with pytest.raises(EngineError, match=r"\['weights'\] were never released"):
+            await eng.resume_memory_occupation(None)
+        await eng.resume_memory_occupation(["kv_cache"])
+        await eng.continue_generation()
+        await eng.close()
+
+    run(scenario())

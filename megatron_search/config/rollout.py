@@ -78,9 +78,23 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     concurrency: PositiveInt = 64
     inflight_on_update: Literal["abort", "finish"] = Field(
-        "finish", description="what happens to in-flight requests when weights are updated"
+        "finish", description="in-flight requests at a weight update: abort ends them; finish retracts them "
+        "(SGLang's pause mode 'retract': KV freed, they re-prefill and finish on the new weights)"
     )
     weight_bucket_mb: PositiveInt = 512
+    weight_sync: Literal["auto", "tensor", "distributed", "disk"] = Field(
+        "auto", description="how weights reach the engines (weights/delivery.py): tensor = each node's ranks post to "
+        "their node's engine (colocated; CUDA IPC is node-local), distributed = one broadcast group per sending rank "
+        "with every engine (disaggregated), disk = safetensors files each sender writes into a shared directory; "
+        "auto = tensor when colocated, distributed when disaggregated")
+    weight_sync_dir: Optional[str] = Field(
+        None, description="weight_sync=disk: a directory every training node and engine sees; None = "
+        "<run.output_dir>/weight_sync")
+
+    def resolved_weight_sync(self) -> str:
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "tensor" if self.mode == "colocated" else "distributed"
     return_original_logprob: bool = Field(
         False, description="logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB); default: of the sampling distribution"
     )

@@ -103,6 +103,14 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
     if cfg.sft.seq_length % p.sequence_multiple:
         out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
                    f"splits the sequence over the TP ranks)")
+    r = cfg.rollout
+    sync = r.resolved_weight_sync()
+    if r.mode == "colocated" and sync == "distributed":
+        out.append("rollout.weight_sync: 'distributed' broadcasts to engines on other nodes; colocated engines take "
+                   "'tensor' (or 'disk') from their own node's ranks")
+    if r.engine == "sglang" and r.mode == "disaggregated" and sync == "tensor":
+        out.append("rollout.weight_sync: SGLang's /update_weights_from_tensor carries CUDA IPC handles, which open only "
+                   "on the sender's node; disaggregated engines need 'distributed' or 'disk'")
     stages = p.pp * (p.vpp or 1)
     if p.vpp is not None and p.pp == 1:
         out.append("parallel.vpp: virtual pipeline stages need PP > 1")

@@ -76,8 +76,21 @@ class Engine(ABC):
         """Leave the weight-update group."""
 
     @abstractmethod
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang >= 0.5.23 takes tensor and distributed updates only inside one)."""
+
+    @abstractmethod
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened."""
+
+    @abstractmethod
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        """Set the reported weight version without loading anything."""
+
+    @abstractmethod
     async def flush_cache(self) -> None:
-        """Drop cached prefixes (KV/state) so no old-weight cache is reused."""
+        """Drop cached prefixes (KV/state) so no old-weight cache is reused. Refused unless the engine is
+        idle (no running request; queued ones only while paused), as SGLang refuses it."""
 
     @abstractmethod
     async def pause_generation(self, mode: PauseMode = "abort") -> None:

@@ -111,6 +111,7 @@ class LocalEngine(Engine):
         self._released: set[str] = set()
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._groups: dict[str, object] = {}
+        self._session = False  # a weight-update session is open (begin/end_weight_update)
         self.steps = 0
 
     @classmethod
@@ -263,13 +264,45 @@ class LocalEngine(Engine):
             self._complete(a)
         self._running, self._waiting = [], []
 
+    def _idle(self) -> bool:
+        """SGLang's is_fully_idle(ignore_waiting=paused): nothing running; queued requests count unless paused."""
+        return not self._running and (self._paused or not self._waiting)
+
+    def _not_idle_reason(self) -> str:
+        return (f"{len(self._running)} running and {len(self._waiting)} queued request(s) "
+                f"({'paused in place' if self._paused and self._running else 'not paused' if not self._paused else 'paused'})")
+
     def _after_update(self, weight_version: Optional[str], flush_cache: bool) -> None:
-        if weight_version is not None:
+        if weight_version is not None:  # SGLang records the version on a successful load, before the flush
             self.weight_version = str(weight_version)
         if flush_cache:
+            if not self._idle():
+                raise EngineError("Weights were updated, but the cache was not flushed because requests are still "
+                                  f"running or queued ({self._not_idle_reason()}); retract or finish them, then flush")
             self.prefix.clear()
 
+    def _require_session(self, what: str) -> None:
+        if not self._session:
+            raise EngineError(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    async def begin_weight_update(self) -> None:
+        if self._session:
+            raise EngineError("begin_weight_update: a weight-update session is already open; call end_weight_update() first")
+        self._session = True
+
+    async def end_weight_update(self) -> None:
+        if not self._session:
+            raise EngineError("end_weight_update: no weight-update session is open")
+        self._session = False
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        def run():
+            self.weight_version = str(new_version)
+        await self._control(run, abort_all=abort_all_requests)
+
     async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True, abort_all_requests=False):
+        self._require_session("update_weights_from_tensor")
+
         def run():
             if "weights" in self._released:
                 raise EngineError("update_weights_from_tensor: weights are released; resume_memory_occupation first")
@@ -296,6 +329,7 @@ class LocalEngine(Engine):
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                               weight_version=None, flush_cache=True, abort_all_requests=False):
+        self._require_session("update_weights_from_distributed")
         group = self._groups.get(group_name)
         if group is None:
             raise EngineError(f"update_weights_from_distributed: no group {group_name!r}; call init_weights_update_group")
@@ -312,7 +346,11 @@ class LocalEngine(Engine):
             raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
 
     async def flush_cache(self) -> None:
-        await self._control(self.prefix.clear)
+        def run():
+            if not self._idle():
+                raise EngineError(f"Cache not flushed: {self._not_idle_reason()}; SGLang flushes only when idle")
+            self.prefix.clear()
+        await self._control(run)
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         if mode not in ("abort", "retract", "in_place"):
@@ -344,6 +382,9 @@ class LocalEngine(Engine):
             raise ValueError(f"release_memory_occupation: unknown tags {sorted(unknown)}")
         self._ensure_loop()
         async with self._lock:
+            if not self._idle():  # SGLang asserts (and its server dies) when not idle
+                raise EngineError(f"release_memory_occupation: the engine must be idle, {self._not_idle_reason()}; "
+                                  f"pause_generation(abort or retract) first")
             if "kv_cache" in tags:
                 self.prefix.clear()
                 self._retract()
@@ -355,6 +396,9 @@ class LocalEngine(Engine):
 
     async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
         tags = set(tags or ("weights", "kv_cache"))
+        never = tags - self._released
+        if never:  # SGLang raises KeyError for these (and its server dies)
+            raise EngineError(f"resume_memory_occupation: {sorted(never)} were never released")
         self._ensure_loop()
         async with self._lock:
             if "weights" in tags and "weights" in self._released:

@@ -196,6 +196,27 @@ async def flush_cache(request: web.Request, engine: LocalEngine) -> web.Response
 
 
 @handler
+async def begin_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
+    await engine.begin_weight_update()
+    return _ok("weight-update session open")
+
+
+@handler
+async def end_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
+    await engine.end_weight_update()
+    return _ok("weight-update session closed")
+
+
+@handler
+async def update_weight_version(request: web.Request, engine: LocalEngine) -> web.Response:
+    p = "/update_weight_version"
+    body = await _json(request)
+    version = _field(body, "new_version", str, path=p)
+    await engine.update_weight_version(version, bool(body.get("abort_all_requests", True)))
+    return web.json_response({"success": True, "message": f"Weight version updated to {version}.", "new_version": version})
+
+
+@handler
 async def pause_generation(request: web.Request, engine: LocalEngine) -> web.Response:
     body = await _json(request)
     await engine.pause_generation(_field(body, "mode", str, "abort", "/pause_generation"))
@@ -270,6 +291,9 @@ def build_app(engine: LocalEngine, chat=None) -> web.Application:
         "/init_weights_update_group": init_weights_update_group,
         "/update_weights_from_distributed": update_weights_from_distributed,
         "/destroy_weights_update_group": destroy_weights_update_group,
+        "/begin_weight_update": begin_weight_update,
+        "/end_weight_update": end_weight_update,
+        "/update_weight_version": update_weight_version,
         "/pause_generation": pause_generation,
         "/continue_generation": continue_generation,
         "/release_memory_occupation": release_memory_occupation,

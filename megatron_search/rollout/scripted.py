@@ -94,6 +94,15 @@ class ScriptedEngine(Engine):
     async def destroy_weights_update_group(self, group_name="weight_update_group") -> None:
         raise EngineError("scripted engine has no weight update group")
 
+    async def begin_weight_update(self) -> None:
+        return None
+
+    async def end_weight_update(self) -> None:
+        return None
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        self.weight_version = str(new_version)
+
     async def flush_cache(self) -> None:
         return None
 

@@ -196,6 +196,16 @@ class SGLangClient(Engine):
     async def destroy_weights_update_group(self, group_name="weight_update_group"):
         await self._call("/destroy_weights_update_group", {"group_name": group_name})
 
+    async def begin_weight_update(self) -> None:
+        await self._call("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._call("/end_weight_update", {})
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        await self._call("/update_weight_version", {"new_version": str(new_version),
+                                                    "abort_all_requests": bool(abort_all_requests)})
+
     # -- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> None:
         await self._call("/flush_cache", method="POST")

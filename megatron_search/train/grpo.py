@@ -34,6 +34,7 @@ from .grpo_data import build_mix_sampler
 from .grpo_driver import RolloutDriver
 from .grpo_metrics import rollout_metrics
 from .grpo_preference import build_preference
+from .grpo_sync import build_weight_sync, save_hf_weights
 from .init_weights import load_model_weights
 from .metrics import MetricsWriter, format_line
 from .policy_step import policy_update
@@ -75,6 +76,8 @@ class GRPORun:
         if self.is_driver:
             self._build_driver(extra)
         self.resumed = bool(extra)
+        urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
+        self.weight_sync = build_weight_sync(cfg, urls, self.out)
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -90,38 +93,29 @@ class GRPORun:
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, first: bool, final: bool = False) -> dict[str, float]:
-        """Export the policy (collective) and push it to the engines. On a fresh run's first sync the
-        reference engine gets the same (initial) weights, saved as an HF checkpoint for resumes
-        (<output_dir>/reference_weights); the last sync also saves the final policy (final_weights)."""
-        from megatron_search.weights.export import export_hf_weights
-
+        """Push the policy to the engines from every rank (owner-parallel, weights/delivery.py). On a fresh
+        run's first sync the initial policy is also written as an HF checkpoint (<output_dir>/reference_weights)
+        and loaded by the in-process reference engine; the last sync writes the final policy (final_weights)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        buckets = export_hf_weights(self.trainer.model, self.cfg.model.architecture,
-                                    self.cfg.rollout.weight_bucket_mb << 20, groups=self.ctx.groups)
-        version = str(self.trainer.iteration)
-        sent = 0
-        if self.is_driver:
-            hf_config = self.cfg.model.resolved_hf_config()
-            ref_dir = self.out / REFERENCE_WEIGHTS
-            init_reference = first and not self.cfg.grpo.reference_urls and not self.resumed
-            saver = None
-            if init_reference:
-                saver = HFWeightsSaver(ref_dir, hf_config)
-            elif final:
-                saver = HFWeightsSaver(self.out / FINAL_WEIGHTS, hf_config)
-            sent = self.driver.push_weights(saver.tee(buckets) if saver else buckets, version,
-                                            include_reference=init_reference)
-            if saver:
-                saver.finish()
-            if first and not init_reference and not self.cfg.grpo.reference_urls:
-                if not (ref_dir / "model.safetensors").is_file():
-                    raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
-                self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
-        else:
-            for _ in buckets:  # the exporter is collective: every rank walks it
-                pass
-        dt = time.perf_counter() - t0
-        return {"time/weight_sync_s": dt, "weight_sync/GB": sent / 1e9}
+        bucket = cfg.rollout.weight_bucket_mb << 20
+        in_process_reference = not cfg.grpo.reference_urls
+        ref_dir = self.out / REFERENCE_WEIGHTS
+        if first and in_process_reference and not self.resumed:
+            save_hf_weights(self.trainer.model, cfg, self.ctx.groups, ref_dir, bucket)
+        if first and in_process_reference and self.is_driver:
+            if not (ref_dir / "config.json").is_file():
+                raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
+            self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
+        stats = self.weight_sync.push(self.trainer.model, cfg.model.architecture, self.ctx.groups,
+                                      version=str(self.trainer.iteration))
+        if final:
+            save_hf_weights(self.trainer.model, cfg, self.ctx.groups, self.out / FINAL_WEIGHTS, bucket)
+        sent = stats.rank_sent_bytes
+        mean = sum(sent) / max(len(sent), 1)
+        return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/GB": stats.bytes / 1e9,
+                "weight_sync/max_rank_sent_GB": max(sent, default=0) / 1e9,
+                "weight_sync/max_over_mean": max(sent, default=0) / mean if mean else 0.0}
 
     # ------------------------------------------------------------------ one step
     def make_batch(self, step: int) -> tuple[Optional[RolloutBatch], dict[str, float]]:
@@ -169,6 +163,9 @@ class GRPORun:
         m["train/padding_rollouts"] = float(padding)
         return batch, m
 
+    def close_sync(self) -> None:
+        self.weight_sync.close()  # it owns this rank's engine clients
+
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
@@ -212,34 +209,6 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-class HFWeightsSaver:
-    """Keeps a copy of exported buckets and writes them as an HF checkpoint directory (config.json +
-    model.safetensors, written to a temporary name and renamed), loadable by the engines."""
-
-    def __init__(self, out_dir: Path, hf_config: Path):
-        self.dir = out_dir
-        self.hf_config = hf_config / "config.json" if hf_config.is_dir() else hf_config
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def tee(self, buckets):
-        for bucket in buckets:
-            for name, t in bucket:
-                self.tensors[name] = t.detach().clone().contiguous()
-            yield bucket
-
-    def finish(self) -> None:
-        import shutil
-
-        from safetensors.torch import save_file
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / "model.safetensors.tmp"
-        save_file(self.tensors, str(tmp))
-        shutil.copyfile(self.hf_config, self.dir / "config.json")
-        tmp.replace(self.dir / "model.safetensors")
-        self.tensors.clear()
-
-
 def run_grpo(cfg) -> dict[str, float]:
     """The GRPO loop; returns the last step's metrics."""
     from megatron_search.distributed import init_distributed
@@ -274,6 +243,7 @@ def run_grpo(cfg) -> dict[str, float]:
                 print(f"grpo: signal {run.stop.signum}: checkpoint saved at step {run.trainer.iteration}", flush=True)
     finally:
         run.writer.close()
+        run.close_sync()
         if run.driver is not None:
             run.driver.close()
         run.stop.restore()

@@ -130,22 +130,6 @@ class RolloutDriver:
         """The frozen reference model's answer to each item (generated once per prompt, cached on disk)."""
         return self.references.get([it.messages for it in items])
 
-    # ------------------------------------------------------------------ weights
-    def push_weights(self, buckets, version: str, include_reference: bool = False) -> int:
-        """Send HF-named buckets (consumed one at a time: peak extra memory is one bucket) to every
-        policy engine, and to the reference engine when asked; returns the bytes sent."""
-        targets = list(self.engines)
-        if include_reference and self.reference_engine is not None:
-            targets.append(self.reference_engine)
-        sent = 0
-        for bucket in buckets:
-            for engine in targets:
-                self.run(engine.update_weights_from_tensor(bucket, weight_version=version, flush_cache=False))
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        for engine in targets:  # cached prefixes were computed with the old weights
-            self.run(engine.flush_cache())
-        return sent
-
     def close(self) -> None:
         try:
             self.run(self.rollout_engines.aclose())

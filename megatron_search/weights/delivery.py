@@ -16,12 +16,18 @@ assembles and sends it; `HFExporter` moves the TP shards to those ranks round by
   disk (either)                   each sender writes its buckets as safetensors files into one
                                   directory per destination; the engine loads it with
                                   /update_weights_from_disk.
-Order, per engine (its controller is the rank that sends the destination's last parameter):
-pause (abort, or in place for rollout.inflight_on_update=finish) -> every rank's buckets without a
-version -> a barrier over the training ranks -> the controller's held-back last bucket carrying the
-weight version (so an engine reporting version v holds all of v) -> continue. The cache is flushed
-with the last bucket only when nothing is held in place (SGLang asserts on a flush that fails while
-requests are held); with in-place pauses it is flushed after generation continues.
+Order, per engine (its controller is the rank that sends the destination's last parameter), in the
+sequence SGLang 0.5.23 accepts:
+  pause_generation(abort | retract)   rollout.inflight_on_update=abort ends in-flight requests;
+                                      finish retracts them (their KV is freed, they re-prefill on the
+                                      new weights after continue), so the engine is idle for the flush
+  begin_weight_update                 tensor and distributed updates are refused outside a session
+  every rank's buckets, no version    then a barrier over the training ranks
+  the controller's held-back last bucket with weight_version and flush_cache=True
+                                      (an engine reporting version v holds all of v; the flush succeeds
+                                      because nothing runs; an in-place pause would hold running
+                                      requests and make SGLang refuse it)
+  end_weight_update, continue_generation
 """
 from __future__ import annotations
 
@@ -52,7 +58,6 @@ class SyncStats:
     sent_bytes: int = 0  # what this rank put on its links (engine-bound x fanout + shards to other senders)
     rank_sent_bytes: list[int] = field(default_factory=list)  # the plan's figure for every rank
     peak_extra_bytes: int = 0  # this rank's largest round (assembled + pulled shards), from the plan
-    flush_deferred: int = 0  # engines whose post-continue flush was refused because requests were running
 
     @property
     def gb_per_s(self) -> float:
@@ -67,7 +72,8 @@ class WeightSync:
                  disk_dir: Optional[str | Path] = None, sender_address: str = "127.0.0.1",
                  engine_ranks: Optional[Sequence[int]] = None, group_name: str = "weight_update_group",
                  rank_node: Optional[Sequence[int]] = None, engine_node: Optional[Sequence[int]] = None,
-                 world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None):
+                 world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None,
+                 owns_engines: bool = False):
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk, got {mode!r}")
         if inflight not in ("abort", "finish"):
@@ -78,6 +84,7 @@ class WeightSync:
             raise ValueError("weight sync mode 'distributed' broadcasts to every engine (disaggregated); colocated "
                              "engines take mode 'tensor' from their own node's ranks")
         self.engines = list(engines)
+        self.owns_engines = owns_engines  # close() closes the clients too
         self.mode, self.inflight = mode, inflight
         self.bucket_bytes, self.out_dtype = bucket_bytes, out_dtype
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
@@ -97,6 +104,7 @@ class WeightSync:
         self.version = 0
         self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
         self._files_written = 0  # disk mode: this rank's files in the version being written
+        self._open_sessions: list = []  # engines this rank opened a weight-update session on
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- public -------------------------------------------------------------------------------
@@ -111,7 +119,6 @@ class WeightSync:
         plan = exporter.plan
         final = self._final_assignments(plan)
         controlled = [d for d, k in final.items() if plan.assignments[k].sender == self.rank]
-        deferred = 0
         self._run(self._control(controlled, "pause"))
         try:
             if self.mode == "distributed":
@@ -135,23 +142,23 @@ class WeightSync:
                 self._run(self._deliver(d, held.pop(d, []), tag, tag))
         finally:
             self._run(self._control(controlled, "continue"))
-        if self.inflight == "finish":
-            deferred = self._run(self._flush_after_continue(controlled))
         self._barrier()
         sent = plan.sent_bytes()
         return SyncStats(tag, exporter.total_bytes, len(plan.rounds), time.perf_counter() - start,
-                         sent[self.rank], sent, plan.peak_extra_bytes()[self.rank], deferred)
+                         sent[self.rank], sent, plan.peak_extra_bytes()[self.rank])
 
     def close(self) -> None:
-        """Leave this rank's broadcast group (distributed mode) and stop the private event loop."""
-        if self._group is not None:
-            name = self._my_group_name()
+        """Leave this rank's broadcast group (distributed mode), close owned clients, stop the event loop."""
+        name = self._my_group_name()
+        group, self._group = self._group, None
 
-            async def leave():
+        async def leave():
+            if group is not None:
                 await asyncio.gather(*(e.destroy_weights_update_group(name) for e in self.engines))
+            if self.owns_engines:
+                await asyncio.gather(*(e.close() for e in self.engines if e is not None))
 
-            self._run(leave())
-            self._group = None
+        self._run(leave())
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -206,28 +213,26 @@ class WeightSync:
         return out
 
     async def _control(self, dests: Sequence[int], what: str) -> None:
+        """pause: pause, then open the update session; continue: close the session (if open), then continue."""
         engines = [e for d in dests for e in self._engines_of(d)]
+        session = self.mode != "disk"  # SGLang loads from disk without a session
         if what == "pause":
-            mode = "abort" if self.inflight == "abort" else "in_place"
+            mode = "abort" if self.inflight == "abort" else "retract"
             await asyncio.gather(*(e.pause_generation(mode) for e in engines))
+            if session:
+                await asyncio.gather(*(e.begin_weight_update() for e in engines))
+                self._open_sessions = list(engines)
         else:
-            await asyncio.gather(*(e.continue_generation() for e in engines))
-
-    async def _flush_after_continue(self, dests: Sequence[int]) -> int:
-        """In-place pauses: flush once generation runs again; an engine still busy refuses (counted)."""
-        from megatron_search.rollout.engine import EngineError
-
-        refused = 0
-        for e in (e for d in dests for e in self._engines_of(d)):
+            open_ = self._open_sessions
+            self._open_sessions = []
             try:
-                await e.flush_cache()
-            except EngineError:
-                refused += 1
-        return refused
+                await asyncio.gather(*(e.end_weight_update() for e in open_))
+            finally:
+                await asyncio.gather(*(e.continue_generation() for e in engines))
 
     async def _deliver(self, d: int, bucket, version: Optional[str], tag: str) -> None:
         last = version is not None
-        flush = last and self.inflight == "abort"
+        flush = last  # the engine is idle (paused with abort or retract), so SGLang's flush succeeds
         engines = self._engines_of(d)
         if self.mode == "disk":
             await self._deliver_disk(d, bucket, last, tag)
