@@ -18,3 +18,13 @@ if [ -n "$extras" ]; then
   "$PY" -m pip install --quiet --no-deps "qwen-agent>=0.0.30"
 fi
 "$PY" -m pip install --quiet -e ".${extras}"
+# The contract tests check our SGLang client against sglang's own request types and rendezvous:
+# sglang's pure-Python modules, pinned to the version the tests were written against, without its
+# GPU dependencies; the installed torch and transformers are held where they are.
+if [ -n "$extras" ]; then
+  held=$(mktemp)
+  "$PY" -m pip freeze | grep -iE '^(torch|transformers)==' > "$held"
+  "$PY" -m pip install --quiet --no-deps "sglang==0.5.23"
+  "$PY" -m pip install --quiet -c "$held" -r scripts/sglang-contract-requirements.txt
+  rm -f "$held"
+fi

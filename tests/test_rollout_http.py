@@ -25,7 +25,7 @@ from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.sglang import SGLangClient
 from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
-from megatron_search.rollout.weight_group import open_gloo_group, send_named_tensors
+from megatron_search.rollout.weight_group import open_weight_group, send_named_tensors
 from megatron_search.search.base import SearchBackend, SearchResult
 from megatron_search.search.tool import SearchTool
 
@@ -140,7 +140,7 @@ def test_weight_updates_over_http(server, model_a, tmp_path):
                 port = s.getsockname()[1]
             _, group = await asyncio.gather(
                 client.init_weights_update_group("127.0.0.1", port, 1, 2, "wg", "gloo"),
-                asyncio.to_thread(open_gloo_group, "127.0.0.1", port, 0, 2, "wg"))
+                asyncio.to_thread(open_weight_group, "127.0.0.1", port, 0, 2, "wg"))
             named = [(n, p.detach()) for n, p in model_b.named_parameters()]
             await asyncio.gather(
                 client.update_weights_from_distributed([n for n, _ in named], [t.dtype for _, t in named],

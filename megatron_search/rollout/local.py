@@ -27,7 +27,7 @@ from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
 from .local_runner import ModelRunner, PrefixStore, SeqState, load_hf_model
 from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
 from .types import FinishReason, GenerateRequest, GenerateResult
-from .weight_group import open_gloo_group, receive_named_tensors
+from .weight_group import close_weight_group, open_weight_group, receive_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ class LocalEngine(Engine):
         if group_name in self._groups:
             raise EngineError(f"init_weights_update_group: group {group_name!r} already exists")
         # Joining blocks until the trainer joins too: do it off the event loop, outside the step lock.
-        group = await asyncio.to_thread(open_gloo_group, master_address, int(master_port), int(rank_offset),
+        group = await asyncio.to_thread(open_weight_group, master_address, int(master_port), int(rank_offset),
                                         int(world_size), group_name)
         self._groups[group_name] = group
 
@@ -342,8 +342,10 @@ class LocalEngine(Engine):
         await self._control(run, abort_all=abort_all_requests)
 
     async def destroy_weights_update_group(self, group_name="weight_update_group"):
-        if self._groups.pop(group_name, None) is None:
+        group = self._groups.pop(group_name, None)
+        if group is None:
             raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
+        close_weight_group(group)
 
     async def flush_cache(self) -> None:
         def run():

@@ -154,8 +154,10 @@ class SGLangClient(Engine):
             return [serialize_named_tensors(named_tensors)]
         from sglang.srt.utils import MultiprocessingSerializer  # only on GPU hosts with SGLang installed
 
-        blob = MultiprocessingSerializer.serialize(list(named_tensors), output_str=True)
-        return [blob] * self.tp_size  # one payload per TP rank; each rank slices what it needs
+        # One payload per TP rank, each serialized on its own as SGLang's HTTP client does: a payload of
+        # host tensors (shared-memory handles) opens once only, so ranks cannot share one.
+        named = list(named_tensors)
+        return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(self.tp_size)]
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True, abort_all_requests=False):
         await self._tensor_format()

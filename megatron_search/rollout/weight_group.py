@@ -1,10 +1,16 @@
 """A stand-alone process group for pushing weights from the trainer into rollout engines.
 
 The protocol is SGLang's `/init_weights_update_group` + `/update_weights_from_distributed`:
-the trainer is rank 0 and hosts the TCP store at master_address:master_port; engine ranks
-are rank_offset + local rank; then, for every (name, dtype, shape) announced over HTTP, rank 0
-broadcasts one tensor in that order. The group is NOT the default torch.distributed group,
-so it can live beside Megatron's groups (gloo here; NCCL on GPUs via SGLang itself).
+the sending trainer rank is rank 0 and hosts the TCP store at master_address:master_port; engine
+ranks are rank_offset + their TP rank; then, for every (name, dtype, shape) announced over HTTP,
+rank 0 broadcasts one tensor in that order. The group is NOT the default torch.distributed group,
+so it lives beside Megatron's groups.
+
+`open_weight_group` builds the group exactly as SGLang's `init_custom_process_group` does on the
+engine side (a TCP rendezvous, the store prefixed with the group name, torch's process-group helper
+with the same name, group ranks equal to the given ranks), so both sides meet on the same store
+keys: a hand-built gloo group with other keys would wait forever for SGLang. Checked against
+sglang 0.5.23's function by tests/test_rollout_sglang_contract.py.
 """
 from __future__ import annotations
 
@@ -17,16 +23,31 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def open_gloo_group(
+def open_weight_group(
     master_address: str, master_port: int, rank: int, world_size: int,
-    group_name: str = "weight_update_group", timeout_s: float = DEFAULT_TIMEOUT_S,
+    group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) a gloo group of `world_size` ranks; blocks until all have joined."""
+    """Join (rank 0: host) the weight-update group of `world_size` ranks; blocks until all have joined."""
+    from torch.distributed import distributed_c10d as c10d
+
     if not 0 <= rank < world_size:
         raise ValueError(f"weight update group: rank {rank} outside world size {world_size}")
+    if not group_name:
+        raise ValueError("weight update group: group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend),
+                                           dist.PrefixStore(group_name, store), group_name=group_name,
+                                           backend_options=None, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def close_weight_group(group: dist.ProcessGroup) -> None:
+    """Forget a group opened by `open_weight_group` (SGLang's destroy does the same on its side)."""
+    dist.destroy_process_group(group)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -37,10 +58,11 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> t
     return tensor
 
 
-def send_named_tensors(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Trainer side: broadcast each tensor (contiguous, CPU) in order, as announced to the engines."""
+def send_named_tensors(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.Tensor]],
+                       device: torch.device | str = "cpu") -> None:
+    """Trainer side: broadcast each tensor in order, as announced to the engines, from `device` (CUDA for NCCL)."""
     for _, t in named:
-        broadcast(group, t.detach().contiguous().cpu(), src=0)
+        broadcast(group, t.detach().to(device).contiguous(), src=0)
 
 
 def receive_named_tensors(

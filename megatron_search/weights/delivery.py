@@ -154,7 +154,10 @@ class WeightSync:
 
         async def leave():
             if group is not None:
+                from megatron_search.rollout.weight_group import close_weight_group
+
                 await asyncio.gather(*(e.destroy_weights_update_group(name) for e in self.engines))
+                close_weight_group(group)
             if self.owns_engines:
                 await asyncio.gather(*(e.close() for e in self.engines if e is not None))
 
@@ -249,12 +252,13 @@ class WeightSync:
             calls = asyncio.gather(*(e.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self._my_group_name(), weight_version=version, flush_cache=flush)
                 for e in engines))
-            await asyncio.gather(calls, asyncio.to_thread(send_named_tensors, self._group, bucket))
+            device = "cuda" if self.backend == "nccl" else "cpu"  # NCCL broadcasts from the GPU
+            await asyncio.gather(calls, asyncio.to_thread(send_named_tensors, self._group, bucket, device))
 
     async def _open_group(self) -> None:
         """This rank hosts a broadcast group with every engine: rank 0 here, engines from rank 1 on."""
         from megatron_search.distributed.init import free_port
-        from megatron_search.rollout.weight_group import open_gloo_group
+        from megatron_search.rollout.weight_group import open_weight_group
 
         port = free_port(self.sender_address)
         world = 1 + sum(self.engine_ranks)
@@ -262,7 +266,7 @@ class WeightSync:
         name = self._my_group_name()
         joins = [e.init_weights_update_group(self.sender_address, port, off, world, name, self.backend)
                  for e, off in zip(self.engines, offsets)]
-        trainer = asyncio.to_thread(open_gloo_group, self.sender_address, port, 0, world, name)
+        trainer = asyncio.to_thread(open_weight_group, self.sender_address, port, 0, world, name, self.backend)
         results = await asyncio.gather(trainer, *joins)
         self._group = results[0]
 

@@ -1,0 +1,34 @@
+"""Contract tests against sglang's own code (sglang 0.5.23's pure-Python modules, installed by
+`scripts/install.sh --dev` without its GPU dependencies): every request our client sends is one
+SGLang's server accepts (its request types, every key a known field, generate normalised and its
+sampling params verified, each TP rank's tensor payload opened by SGLang's serializer), and our
+weight-update group meets the one SGLang's init_custom_process_group creates.
+
+The check runs in a child process (tests/_sglang_contract_check.py): importing sglang sets
+environment variables and patches transformers, which must not leak into the rest of the suite.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+ENDPOINTS = {
+    "/generate", "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
+    "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group", "/update_weights_from_disk", "/update_weight_version",
+    "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+}
+
+
+def test_client_requests_and_rendezvous_are_sglangs_own():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(HERE / "_sglang_contract_check.py")], cwd=HERE.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sglang"] == "0.5.23"
+    assert set(result["checked"]) == ENDPOINTS
+    assert result["problems"] == []
+    assert result["rendezvous_equal"] is True and result["engine_exit"] == 0
