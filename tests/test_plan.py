@@ -98,3 +98,41 @@ def test_cli_exit_codes(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main(["plan", BIG, "parallel.ep=24"]) == 2
     assert "512 experts are not divisible by EP=24" in capsys.readouterr().err
+
+
+def test_weight_sync_estimate_for_397b_from_the_send_plan():
+    """The 397B colocated layout (TP2 PP4 EP32, 32 nodes x 8, one TP8 engine per node) priced from the same
+    send plan the sync runs: owner-parallel against a rank-0 funnel, and the physical floor computed here by
+    hand from where Megatron puts the weights."""
+    from megatron_search.plan.params import count_params
+    from megatron_search.plan.weight_sync import weight_sync_report
+
+    cfg = load_config("configs/qwen3_5_397b_a17b_grpo.yaml", [])
+    rep = weight_sync_report(cfg, 256)
+    c = count_params(cfg.model.architecture)
+    total = c.total * 2  # bf16
+    assert rep.model_gb * 1e9 == pytest.approx(total, rel=1e-12)
+    # A node (8 ranks) of stage s holds its 15 layers' dense weights and norms (4 TP pairs), 8 of the 32
+    # EP ranks' experts of those layers, and the embedding (stage 0) or the output layer + final norm (stage 3).
+    layers = 60 // 4
+    needed = []
+    for s in range(4):
+        rng = range(s * layers, (s + 1) * layers)
+        held = sum(c.dense_per_layer[i] + c.norms_per_layer[i] for i in rng) + c.experts_per_layer * layers * 8 // 32
+        held += c.embedding if s == 0 else 0
+        held += c.output_layer + c.final_norm if s == 3 else 0
+        needed.append(total - 2 * held)
+    assert rep.floor_node_gb * 1e9 == pytest.approx(max(needed), rel=1e-9)
+    assert rep.floor_seconds == pytest.approx(max(needed) / 400e9, rel=1e-9)
+    # the issue's back-of-envelope floor (793 GB x 31/32 / 400 GB/s) is the same order: 1.9 s
+    assert 1.7 < rep.floor_seconds < 2.0
+    assert rep.planned.seconds >= rep.floor_seconds  # nothing beats the NICs
+    assert rep.planned.max_over_mean <= 1.2
+    # the funnel's rank 0 posts the whole model to each of the 32 engines
+    assert rep.funnel.max_rank_sent_gb * 1e9 >= 32 * total
+    assert rep.funnel.seconds > 100 * rep.planned.seconds
+
+
+def test_bucket_smaller_than_the_embedding_is_refused_at_config_time():
+    with pytest.raises(ConfigError, match=r"rollout.weight_bucket_mb: 512 MiB is smaller than the embedding \[248320, 4096\]"):
+        load_config("configs/qwen3_5_397b_a17b_grpo.yaml", ["rollout.weight_bucket_mb=512"])

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=None, help="expert TP (default: TP when EP=1, else 1)")
-    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--bucket-mb", type=int, default=None, help="default: 512, or the embedding's size when larger")
     p.add_argument("--shard-mb", type=int, default=4096)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-progress", action="store_true")

@@ -13,6 +13,11 @@ class ClusterConfig(Section):
     rollout_nodes: NonNegativeInt = Field(
         0, description="nodes reserved for SGLang in disaggregated mode (0 in colocated mode)"
     )
+    nic_gb_per_s: PositiveFloat = Field(
+        400.0, description="network bandwidth per node, GB/s, all NICs together (8 x 400 Gb/s InfiniBand); "
+        "the planner's weight-sync estimate gives each GPU an equal share")
+    nvlink_gb_per_s: PositiveFloat = Field(
+        450.0, description="NVLink bandwidth per GPU and direction, GB/s (H100/H200: 900 GB/s both ways)")
     memory_headroom_gib: float = Field(
         6.0, ge=0.0, description="per-GPU reserve for the CUDA context, NCCL buffers and fragmentation"
     )

@@ -81,7 +81,9 @@ class RolloutConfig(Section):
         "finish", description="in-flight requests at a weight update: abort ends them; finish retracts them "
         "(SGLang's pause mode 'retract': KV freed, they re-prefill and finish on the new weights)"
     )
-    weight_bucket_mb: PositiveInt = 512
+    weight_bucket_mb: Optional[PositiveInt] = Field(
+        None, description="weight-sync bucket (MiB per sending rank and round); None = 512, or the embedding's "
+        "size when that is larger (it travels whole); see Config.weight_bucket_bytes")
     weight_sync: Literal["auto", "tensor", "distributed", "disk"] = Field(
         "auto", description="how weights reach the engines (weights/delivery.py): tensor = each node's ranks post to "
         "their node's engine (colocated; CUDA IPC is node-local), distributed = one broadcast group per sending rank "

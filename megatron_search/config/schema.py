@@ -47,6 +47,17 @@ class Config(Section):
             raise ValueError("\n".join(problems))
         return self
 
+    def largest_weight_bytes(self) -> int:
+        """The embedding / output layer [V, H] in params_dtype: one HF tensor, which a bucket must hold whole."""
+        a = self.model.architecture
+        return a.vocab_size * a.hidden_size * (4 if self.model.params_dtype == "float32" else 2)
+
+    def weight_bucket_bytes(self) -> int:
+        """rollout.weight_bucket_mb in bytes; unset: 512 MiB, or the largest tensor rounded up to MiB."""
+        if self.rollout.weight_bucket_mb is not None:
+            return self.rollout.weight_bucket_mb << 20
+        return max(512 << 20, -(-self.largest_weight_bytes() // (1 << 20)) << 20)
+
     def data_parallel_size(self, world_size: int) -> int:
         p = self.parallel
         return world_size // (p.tp * p.pp * p.cp)
@@ -104,6 +115,11 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
         out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
                    f"splits the sequence over the TP ranks)")
     r = cfg.rollout
+    largest = cfg.largest_weight_bytes()
+    if r.weight_bucket_mb is not None and largest > r.weight_bucket_mb << 20:
+        out.append(f"rollout.weight_bucket_mb: {r.weight_bucket_mb} MiB is smaller than the embedding "
+                   f"[{arch.vocab_size}, {arch.hidden_size}] ({largest / 2**20:.0f} MiB), which travels whole; "
+                   f"raise it to at least {-(-largest // 2**20)}")
     sync = r.resolved_weight_sync()
     if r.mode == "colocated" and sync == "distributed":
         out.append("rollout.weight_sync: 'distributed' broadcasts to engines on other nodes; colocated engines take "

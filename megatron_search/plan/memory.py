@@ -68,6 +68,7 @@ class Plan:
     stages: list[StageMemory] = field(default_factory=list)
     rollout: RolloutMemory | None = None
     problems: list[str] = field(default_factory=list)
+    sync: object | None = None  # plan.weight_sync.SyncReport (GRPO)
 
     @property
     def fits(self) -> bool:
@@ -210,4 +211,8 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
                 f"rollout.sglang: KV cache holds {ro.max_tokens} tokens, fewer than one rollout "
                 f"(rollout.max_total_tokens={cfg.rollout.max_total_tokens})"
             )
+        if not any(x.startswith(("parallel.", "rollout.weight_bucket_mb")) for x in problems):
+            from .weight_sync import weight_sync_report
+
+            plan.sync = weight_sync_report(cfg, train_gpus)
     return plan

@@ -22,6 +22,10 @@ def format_plan(plan: Plan, title: str) -> str:
             f"KV cache {max(r.kv_budget, 0) / GIB:.1f} GiB/GPU = {r.max_tokens:,} tokens"
             + (f", GDN state {r.state_bytes_per_seq / 2**20:.1f} MiB/sequence" if r.state_bytes_per_seq else "")
         )
+    if plan.sync is not None:
+        from .weight_sync import format_sync_report
+
+        lines.append(format_sync_report(plan.sync))
     if plan.fits:
         lines.append("FITS")
     else:

@@ -98,7 +98,7 @@ class GRPORun:
         and loaded by the in-process reference engine; the last sync writes the final policy (final_weights)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        bucket = cfg.rollout.weight_bucket_mb << 20
+        bucket = cfg.weight_bucket_bytes()
         in_process_reference = not cfg.grpo.reference_urls
         ref_dir = self.out / REFERENCE_WEIGHTS
         if first and in_process_reference and not self.resumed:

@@ -64,7 +64,7 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
     rank_node = node_ids()
     mode = r.resolved_weight_sync()
     sync = WeightSync(
-        clients, mode, bucket_bytes=r.weight_bucket_mb << 20, inflight=r.inflight_on_update,
+        clients, mode, bucket_bytes=cfg.weight_bucket_bytes(), inflight=r.inflight_on_update,
         disk_dir=Path(r.weight_sync_dir) if r.weight_sync_dir else output_dir / "weight_sync",
         sender_address=_sender_address(urls), rank_node=rank_node,
         engine_node=engine_nodes(cfg, len(clients), rank_node),

@@ -45,7 +45,8 @@ def _rank_main(direction: str, config: Optional[str], overrides: list[str], src:
             hf_to_mcore(cfg, src, dst, ctx.groups, progress=opts.get("progress", True))
             return None
         dtype = getattr(torch, opts["dtype"]) if opts.get("dtype") else None
-        return mcore_to_hf(cfg, src, dst, ctx.groups, bucket_bytes=opts["bucket_mb"] << 20,
+        bucket = opts["bucket_mb"] << 20 if opts["bucket_mb"] else cfg.weight_bucket_bytes()
+        return mcore_to_hf(cfg, src, dst, ctx.groups, bucket_bytes=bucket,
                            max_shard_bytes=opts["shard_mb"] << 20, out_dtype=dtype,
                            progress=opts.get("progress", True))
     finally:
@@ -54,7 +55,7 @@ def _rank_main(direction: str, config: Optional[str], overrides: list[str], src:
 
 def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optional[str] = None,
             hf_config: Optional[str] = None, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-            overrides: Sequence[str] = (), bucket_mb: int = 512, shard_mb: int = 4096,
+            overrides: Sequence[str] = (), bucket_mb: Optional[int] = None, shard_mb: int = 4096,
             dtype: Optional[str] = None, progress: bool = True):
     """Run one conversion on tp*pp*ep ranks; returns rank 0's summary (mcore_to_hf) or None."""
     if direction not in ("hf_to_mcore", "mcore_to_hf"):
@@ -87,7 +88,8 @@ def build_parser(direction: str) -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=None, help="expert TP (default: TP when EP=1, else 1)")
-    p.add_argument("--bucket-mb", type=int, default=512, help="export bucket size (mcore -> HF)")
+    p.add_argument("--bucket-mb", type=int, default=None,
+                   help="export bucket size (mcore -> HF); default: 512, or the embedding's size when larger")
     p.add_argument("--shard-mb", type=int, default=4096, help="largest safetensors file (mcore -> HF)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast exported tensors (mcore -> HF); default: keep the checkpoint's dtype")
