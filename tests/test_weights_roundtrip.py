@@ -109,7 +109,10 @@ def test_dist_checkpoint_round_trip(run, name):
 def test_delivery_paths_generate_like_hf(run, name):
     _, refs, per_rank = run
     d = per_rank[0][name]["delivery"]
-    for mode in ("tensor", "distributed", "disk"):
+    # The engine lives in rank 0's process, so no broadcast group can join it (torch registers a group
+    # name once per process; an SGLang server is always another process): the distributed path is
+    # checked across processes in test_weights_sync_owner_parallel.py.
+    for mode in ("tensor", "disk"):
         assert d[mode]["ids"] == refs[name]["generated"], mode
         assert d[mode]["version"] == f"{mode}-1"
         assert d[mode]["buckets"] > 1  # 600 KiB buckets: the update really is split

@@ -323,8 +323,15 @@ class LocalEngine(Engine):
         if group_name in self._groups:
             raise EngineError(f"init_weights_update_group: group {group_name!r} already exists")
         # Joining blocks until the trainer joins too: do it off the event loop, outside the step lock.
-        group = await asyncio.to_thread(open_weight_group, master_address, int(master_port), int(rank_offset),
-                                        int(world_size), group_name)
+        try:
+            group = await asyncio.to_thread(open_weight_group, master_address, int(master_port), int(rank_offset),
+                                            int(world_size), group_name)
+        except RuntimeError as e:
+            if "already registered" not in str(e):
+                raise
+            raise EngineError(f"init_weights_update_group: group {group_name!r} is already open in this process: an "
+                              f"engine in its trainer's own process cannot join the trainer's group (use the tensor "
+                              f"or disk path, or serve the engine in its own process)") from None
         self._groups[group_name] = group
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
