@@ -46,6 +46,29 @@ def check_run(run_dir: Path, steps: int) -> None:
                 "train/is_weight_mean", "train/grad_norm", "train/lr", "time/rollout_s", "time/train_s",
                 "time/weight_sync_s", "perf/rollouts_per_s", "train/zero_signal_groups", "train/filtered_groups"):
         assert scalars(run_dir, tag), tag
+    check_colocated_cycle(run_dir, steps)
+
+
+def check_colocated_cycle(run_dir: Path, steps: int) -> None:
+    """rollout.mode=colocated (the default): per step the trainer leaves during rollouts, the engine frees its
+    weights and KV cache while the policy trains, and its weights return (then are pushed) before generation."""
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "colocate_phases.jsonl").read_text().splitlines()]
+    trained = 0
+    for step in range(steps):
+        phases = [r for r in rows if r["step"] == step]
+        names = [r["phase"] for r in phases]
+        assert names in (["rollout", "train", "sync", "resumed"], ["rollout", "sync", "resumed"]), names
+        by = {r["phase"]: r for r in phases}
+        assert by["rollout"]["trainer_bytes"] == 0 and by["rollout"]["engine_weights_bytes"][0] > 0
+        assert by["sync"]["trainer_bytes"] > 0 and by["sync"]["engine_weights_bytes"][0] > 0
+        if "train" in by:
+            trained += 1
+            assert by["train"]["engine_weights_bytes"] == [0] and by["train"]["engine_kv_cache_bytes"] == [0]
+            assert by["train"]["trainer_bytes"] > 0
+    assert trained >= 1
+    assert scalars(run_dir, "time/offload_s") and scalars(run_dir, "time/release_s") and scalars(run_dir, "time/resume_s")
 
 
 def test_grpo_two_steps_one_process(fx, tmp_path):

@@ -10,6 +10,9 @@ Measured in the same run, on the same bytes:
               (load by HF name into a transformers model; the colocated path)
 and the peak extra resident memory on rank 0 during export, next to the bucket size.
 The ratio export / memcpy is the figure of merit; on these CPUs gloo bounds it (FACTS.md).
+Then the GRPO path itself: `WeightSync` (owner-parallel, both ranks sending, disaggregated broadcast
+groups) into a local engine server in its own process, against a raw gloo broadcast of the same
+bytes by the same two processes; the ratio raw time / sync time is printed.
 
     python tools/bench_weight_sync.py [--gb 1.0] [--buckets-mb 64,256]
 """
@@ -73,7 +76,40 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def _rank(model_dir: str, buckets_mb: list[int], repeats: int) -> dict:
+def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total: int) -> dict:
+    """Best-of-`repeats` seconds of WeightSync.push into the engine, and of a raw gloo broadcast of `total` bytes."""
+    import torch.distributed as dist
+
+    from megatron_search.rollout.sglang import SGLangClient
+    from megatron_search.weights.delivery import WeightSync
+
+    sync = WeightSync([SGLangClient(url, 3600.0)], "distributed", bucket_bytes=bucket_mb << 20, inflight="abort",
+                      rank_node=[0] * dist.get_world_size(), owns_engines=True)
+    best = None
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        sync.push(chunks, arch, ctx.groups, version=f"bench-{i}")
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    sync.close()
+    msg = torch.empty(bucket_mb << 20, dtype=torch.uint8)
+    raw = None
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(left, msg.numel())
+            dist.broadcast(msg[:n], src=0)
+            left -= n
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        raw = dt if raw is None else min(raw, dt)
+    return {"sync_s": best, "raw_broadcast_s": raw}
+
+
+def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str) -> dict:
     import torch.distributed as dist
 
     from megatron_search.config.loader import load_config
@@ -136,6 +172,8 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int) -> dict:
             for _ in range(repeats):
                 dist.barrier()
                 exporter = HFExporter(chunks, arch, ctx.groups, mb << 20)
+                if deliver and rank == 0:  # tensor updates run inside a weight-update session
+                    loop.run_until_complete(engine.begin_weight_update())
                 with PeakRSS() as mem:
                     t0 = time.perf_counter()
                     for bucket in exporter:
@@ -143,6 +181,8 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int) -> dict:
                             loop.run_until_complete(engine.update_weights_from_tensor(bucket))
                         del bucket
                     dt = time.perf_counter() - t0
+                if deliver and rank == 0:
+                    loop.run_until_complete(engine.end_weight_update())
                 dist.barrier()
                 best = dt if best is None else min(best, dt)
                 peak = max(peak, mem.extra_mb)
@@ -150,6 +190,7 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int) -> dict:
                                 "buckets": len(exporter.buckets)})
     if loop is not None:
         loop.run_until_complete(engine.close())
+    out["grpo"] = _grpo_path(chunks, arch, ctx, url, max(buckets_mb), repeats, total)
     ctx.teardown()
     return out
 
@@ -160,12 +201,17 @@ def main() -> None:
     ap.add_argument("--buckets-mb", default="64,256")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    from megatron_search.rollout.sglang import launch_local_server
     from megatron_search.weights.launch import run_ranks
 
     buckets = [int(x) for x in args.buckets_mb.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(model_config(args.gb)))
-        res = run_ranks(_rank, 2, tmp, buckets, args.repeats)[0]
+        server = launch_local_server(None, [f"model.hf_config={tmp}"], Path(tmp) / "engine.log", timeout_s=600)
+        try:
+            res = run_ranks(_rank, 2, tmp, buckets, args.repeats, server.url)[0]
+        finally:
+            server.stop()
     total = res["total_bytes"]
     gb = total / 1e9
     memcpy = gb / res["memcpy_s"]
@@ -182,6 +228,12 @@ def main() -> None:
         print(f"{r['bucket_mb']:>9} {path:>18} {r['buckets']:>7} {r['s']:>7.2f} {rate:>7.2f} {rate / memcpy:>8.3f} "
               f"{rate / (gloo * total / max(res['shipped_bytes'], 1)):>7.3f} {r['extra_mb']:>13.0f}")
     print("/gloo*: against the time raw gloo needs for the shipped bytes, expressed per exported byte.")
+    g = res["grpo"]
+    print(f"GRPO path   {gb / g['sync_s']:8.2f} GB/s   (WeightSync.push, both ranks sending, broadcast groups into a "
+          f"local engine server, {max(buckets)} MB buckets)")
+    print(f"raw gloo    {gb / g['raw_broadcast_s']:8.2f} GB/s   (dist.broadcast of the same {gb:.2f} GB by the same "
+          f"2 processes)")
+    print(f"ratio       {g['raw_broadcast_s'] / g['sync_s']:8.3f}        (GRPO path / raw broadcast; target >= 0.5)")
 
 
 if __name__ == "__main__":

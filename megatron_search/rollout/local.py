@@ -418,6 +418,11 @@ class LocalEngine(Engine):
             self._released -= tags
         self._wake.set()
 
+    def memory_bytes(self) -> dict[str, int]:
+        """What the engine holds now: parameter storages and the prefix cache (for colocated-cycle checks)."""
+        weights = sum(p.untyped_storage().nbytes() for p in self.runner.model.parameters())
+        return {"weights": int(weights), "kv_cache": int(self.prefix.nbytes())}
+
     async def health(self) -> bool:
         return "weights" not in self._released
 

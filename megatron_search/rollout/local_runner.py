@@ -90,6 +90,18 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        """Bytes of the cached states (cache rows and routed experts), each storage counted once."""
+        seen, total = set(), 0
+        for st in list(self._entries.values()) + list(self._blocks.values()):
+            for t in (x for pair in st.layers for x in pair if isinstance(x, torch.Tensor)):
+                s = t.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+            total += sum(e.nbytes for e in st.experts)
+        return total
+
     def put(self, state: SeqState) -> None:
         if self.max_entries == 0 or not state.tokens:
             return

@@ -280,6 +280,12 @@ async def weights_sha256(request: web.Request, engine: LocalEngine) -> web.Respo
                               "sha256": await asyncio.to_thread(digest, engine.runner.model)})
 
 
+@handler
+async def memory(request: web.Request, engine: LocalEngine) -> web.Response:
+    """Not an SGLang endpoint: bytes of weights and prefix cache held now (colocated release/resume checks)."""
+    return web.json_response(engine.memory_bytes())
+
+
 def build_app(engine: LocalEngine, chat=None) -> web.Application:
     """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions."""
     app = web.Application(client_max_size=1 << 31)
@@ -303,7 +309,7 @@ def build_app(engine: LocalEngine, chat=None) -> web.Application:
         app.router.add_post(path, fn)
     for path, fn in {"/flush_cache": flush_cache, "/health": health, "/health_generate": health_generate,
                      "/get_model_info": get_model_info, "/get_weight_version": get_weight_version,
-                     "/local/weights_sha256": weights_sha256}.items():
+                     "/local/weights_sha256": weights_sha256, "/local/memory": memory}.items():
         app.router.add_route("GET", path, fn)
         app.router.add_route("POST", path, fn)
     if chat is not None:

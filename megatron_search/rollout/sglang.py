@@ -208,6 +208,12 @@ class SGLangClient(Engine):
         await self._call("/update_weight_version", {"new_version": str(new_version),
                                                     "abort_all_requests": bool(abort_all_requests)})
 
+    async def local_memory(self) -> Optional[dict]:
+        """The local CPU engine's held bytes ({weights, kv_cache}); None for SGLang, which has no such endpoint."""
+        if await self._tensor_format() != LOCAL_TENSOR_FORMAT:
+            return None
+        return await self._call("/local/memory", method="GET")
+
     # -- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> None:
         await self._call("/flush_cache", method="POST")

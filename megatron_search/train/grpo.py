@@ -33,6 +33,7 @@ from megatron_search.rollout.sglang import SGLangClient
 from .grpo_data import build_mix_sampler
 from .grpo_driver import RolloutDriver
 from .grpo_metrics import rollout_metrics
+from .grpo_colocate import ColocatedCycle
 from .grpo_preference import build_preference
 from .grpo_sync import build_weight_sync, save_hf_weights
 from .init_weights import load_model_weights
@@ -78,6 +79,7 @@ class GRPORun:
         self.resumed = bool(extra)
         urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
+        self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver)
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +171,9 @@ class GRPORun:
     def train_on(self, batch: RolloutBatch) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
+        if self.colocate.trainer_offloaded:
+            raise RuntimeError("GRPO: the trainer's state is offloaded (colocated rollout phase); reload it first")
+
         t0 = time.perf_counter()
         n = batch.size // self.dp
         r = ps.get_data_parallel_rank()
@@ -220,14 +225,19 @@ def run_grpo(cfg) -> dict[str, float]:
         sync = run.sync_weights(first=True)
         while run.trainer.iteration < cfg.grpo.steps and not run.stop.requested:
             step = run.trainer.iteration
+            run.colocate.to_rollout(step)
             batch, metrics = run.make_batch(step)
             batch = _broadcast(batch)
             if batch is not None:
+                run.colocate.to_train(step)
                 metrics.update(run.train_on(batch))
             else:
                 run.trainer.iteration += 1  # no signal: no update, but the step is spent
+            run.colocate.to_sync(step)
             sync = run.sync_weights(first=False, final=run.trainer.iteration >= cfg.grpo.steps)
+            run.colocate.after_sync(step)
             metrics.update(sync)
+            metrics.update(run.colocate.metrics)
             last = metrics
             if run.is_driver:
                 run.writer.scalars(step, metrics)
@@ -237,6 +247,7 @@ def run_grpo(cfg) -> dict[str, float]:
                                                       "time/rollout_s", "time/train_s"]), flush=True)
             if run.trainer.should_save():
                 run.trainer.save(extra=_broadcast(_driver_extra(run)))
+        run.colocate.ensure_resident()
         if run.stop.requested:
             run.trainer.save(extra=_broadcast(_driver_extra(run)))
             if run.is_driver:

@@ -1,0 +1,111 @@
+"""Colocated GRPO: the engines and the trainer take turns on the same memory (rollout.mode=colocated).
+
+Per step, in this order (the phases are logged to <output_dir>/colocate_phases.jsonl with the bytes
+each side holds, and timed as time/release_s, time/resume_s, time/offload_s):
+  rollout   the trainer's parameters, gradient buffers and optimizer state are offloaded to host
+            (train/offload.py); the engines hold weights and KV cache and generate
+  train     the engines release weights and KV cache (release_memory_occupation; they are idle: every
+            rollout of the step has finished), the trainer's state comes back, the policy trains
+  sync      the engines get their weight memory back (resume_memory_occupation(weights): contents
+            undefined until pushed), the weight sync pushes the new policy, then the KV cache returns
+A step without signal trains nothing, so the engines keep their memory through it. The reward model
+(on the training ranks) stays resident; it is not offloaded yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from .offload import StateOffloader
+
+
+class ColocatedCycle:
+    def __init__(self, cfg, trainer, driver, out_dir: Path, is_driver: bool):
+        self.enabled = cfg.rollout.mode == "colocated"
+        self.offloader = StateOffloader(list(trainer.ddp), trainer.optimizer)
+        self.driver, self.is_driver = driver, is_driver
+        self.log = out_dir / "colocate_phases.jsonl"
+        self.released = False
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def trainer_offloaded(self) -> bool:
+        return self.offloader.offloaded
+
+    # ------------------------------------------------------------------ phases
+    def to_rollout(self, step: int) -> None:
+        """Before rollouts: the trainer leaves the device (every rank)."""
+        self.metrics = {}
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        self.offloader.offload()
+        self.metrics["time/offload_s"] = time.perf_counter() - t0
+        self._record(step, "rollout")
+
+    def to_train(self, step: int) -> None:
+        """After rollouts and scoring, before the policy step: engines release, the trainer returns."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        self._engines("release_memory_occupation", ["weights", "kv_cache"])
+        self.released = True
+        t1 = time.perf_counter()
+        self.offloader.reload()
+        self.metrics["time/release_s"] = t1 - t0
+        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t1
+        self._record(step, "train")
+
+    def to_sync(self, step: int) -> None:
+        """Before the weight push: the engines' weight memory comes back (the push fills it)."""
+        if not self.enabled:
+            return
+        if not self.released and self.offloader.offloaded:  # no signal this step: nothing trained
+            self.offloader.reload()
+        if self.released:
+            t0 = time.perf_counter()
+            self._engines("resume_memory_occupation", ["weights"])
+            self.metrics["time/resume_s"] = time.perf_counter() - t0
+        self._record(step, "sync")
+
+    def after_sync(self, step: int) -> None:
+        """After the push: the KV cache returns, generation can start again."""
+        if not self.enabled:
+            return
+        if self.released:
+            t0 = time.perf_counter()
+            self._engines("resume_memory_occupation", ["kv_cache"])
+            self.metrics["time/resume_s"] = self.metrics.get("time/resume_s", 0.0) + time.perf_counter() - t0
+            self.released = False
+        self._record(step, "resumed")
+
+    def ensure_resident(self) -> None:
+        """The trainer's state back on the device (checkpoints, the end of the run)."""
+        if self.offloader.offloaded:
+            self.offloader.reload()
+
+    # ------------------------------------------------------------------ internals
+    def _engines(self, method: str, tags: list[str]) -> None:
+        if not self.is_driver:
+            return
+
+        async def call():
+            await asyncio.gather(*(getattr(e, method)(tags) for e in self.driver.engines))
+
+        self.driver.run(call())
+
+    def _record(self, step: int, phase: str) -> None:
+        if not self.is_driver:
+            return
+
+        async def memory():
+            return [await e.local_memory() for e in self.driver.engines]
+
+        engines = self.driver.run(memory())
+        row = {"step": step, "phase": phase, "trainer_bytes": self.offloader.resident_bytes(),
+               "engine_weights_bytes": [m["weights"] if m else None for m in engines],
+               "engine_kv_cache_bytes": [m["kv_cache"] if m else None for m in engines]}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -1,0 +1,129 @@
+"""Move the trainer's state off its device while colocated engines use the memory, and back.
+
+Colocated GRPO shares each GPU between Megatron and an SGLang engine in turn (RECIPE 1, DESIGN "At
+scale"): during rollouts the engine holds its weights and KV cache, so the trainer's parameters,
+gradient buffers and optimizer state must not stay resident; during training the engine releases its
+memory. `StateOffloader` finds every storage behind the model chunks (parameters, Megatron's main_grad
+buffers) and the optimizer (Adam moments, fp32 master copies; chained and distributed optimizers
+included), copies each once to host memory (pinned on GPU hosts) and frees it on the device by
+resizing the storage to zero bytes; `reload` restores the bytes into the same storages, so every view
+(main_grad, DDP buckets, optimizer references) is valid again. On CPU the copies go to fresh host
+buffers and the originals are freed the same way, so the move is real there too. An offloaded tensor
+has no memory behind it (reading it is undefined: a crash, not an error), so the GRPO loop offloads only
+around the phases that never touch the trainer, and `Trainer` refuses to step while `offloaded`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+
+def _optimizer_tensors(opt) -> Iterator[torch.Tensor]:
+    """Every tensor a Megatron optimizer (or a torch one inside it) holds: states and fp32 master copies."""
+    seen: set[int] = set()
+    stack = [opt]
+    while stack:
+        o = stack.pop()
+        if o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        chained = getattr(o, "chained_optimizers", None)
+        if chained:  # Megatron's ChainedOptimizer refuses `.optimizer` when it holds more than one
+            stack.extend(chained)
+            continue
+        inner = o.__dict__.get("optimizer") if hasattr(o, "__dict__") else None
+        if inner is not None and inner is not o:
+            stack.append(inner)
+        for state in getattr(o, "state", {}).values() if isinstance(getattr(o, "state", None), dict) else []:
+            if isinstance(state, dict):
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+        for name in ("fp32_from_float16_groups", "fp32_from_fp32_groups", "shard_fp32_from_float16_groups",
+                     "shard_fp32_groups"):
+            for group in getattr(o, name, None) or []:
+                yield from (t for t in group if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _Saved:
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.Tensor
+
+
+@dataclass
+class StateOffloader:
+    """Offload / reload the trainer's storages; `resident_bytes()` is what it occupies on its device now."""
+
+    model_chunks: list
+    optimizer: object
+    saved: list[_Saved] = field(default_factory=list)
+
+    def _storages(self) -> list[torch.UntypedStorage]:
+        tensors: list[torch.Tensor] = []
+        for chunk in self.model_chunks:
+            for p in chunk.parameters():
+                tensors.append(p.data)
+                g = getattr(p, "main_grad", None)
+                if isinstance(g, torch.Tensor):
+                    tensors.append(g)
+                if p.grad is not None:
+                    tensors.append(p.grad)
+        tensors += list(_optimizer_tensors(self.optimizer))
+        out, seen = [], set()
+        for t in tensors:
+            s = t.untyped_storage()
+            key = (s.device, s.data_ptr())
+            if s.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            out.append(s)
+        return out
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.saved)
+
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._storages())
+
+    def offload(self) -> int:
+        """Copy every storage to host and free it on the device; returns the bytes moved."""
+        if self.saved:
+            raise RuntimeError("StateOffloader.offload: the state is already offloaded")
+        moved = 0
+        pin = torch.cuda.is_available()
+        for s in self._storages():
+            n = s.nbytes()
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(_bytes_view(s, n), non_blocking=pin)
+            self.saved.append(_Saved(s, n, host))
+            moved += n
+        if pin:
+            torch.cuda.synchronize()
+        for item in self.saved:
+            item.storage.resize_(0)
+        return moved
+
+    def reload(self) -> int:
+        """Give every storage its bytes back (same storage objects, so views stay valid); returns the bytes."""
+        moved = 0
+        for item in self.saved:
+            item.storage.resize_(item.nbytes)
+            _bytes_view(item.storage, item.nbytes).copy_(item.host, non_blocking=item.host.is_pinned())
+            moved += item.nbytes
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.saved = []
+        return moved
+
+
+def _bytes_view(storage: torch.UntypedStorage, n: int) -> torch.Tensor:
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    t.set_(storage, 0, (n,))
+    return t
+
+
+def total_bytes(items: Iterable[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in items)
