@@ -95,6 +95,13 @@ def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):
     run_spawned(grpo_worker, 2, layouts, fx, str(tmp_path))
     for name, _ in layouts:
         check_run(tmp_path / name, 2)
+    # The batch reaches each data-parallel replica as its slice only: EP=2 keeps DP=2 (each rank gets half),
+    # TP=2 has DP=1 (both ranks of the one replica need all of it).
+    for name, share in (("ep2", 0.5), ("tp2", 1.0)):
+        total, received = scalars(tmp_path / name, "batch/total_MB"), scalars(tmp_path / name, "batch/max_rank_received_MB")
+        assert total and len(total) == len(received)
+        for t, r in zip(total, received):
+            assert r == pytest.approx(share * t, rel=1e-9), (name, t, r)
 
 
 def test_greedy_rollouts_are_refused():

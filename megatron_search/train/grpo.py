@@ -33,6 +33,7 @@ from megatron_search.rollout.sglang import SGLangClient
 from .grpo_data import build_mix_sampler
 from .grpo_driver import RolloutDriver
 from .grpo_metrics import rollout_metrics
+from .batch_scatter import BatchScatter
 from .grpo_colocate import ColocatedCycle
 from .grpo_preference import build_preference
 from .grpo_sync import build_weight_sync, save_hf_weights
@@ -80,6 +81,7 @@ class GRPORun:
         urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
         self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver)
+        self.scatter = BatchScatter()
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -168,16 +170,12 @@ class GRPORun:
     def close_sync(self) -> None:
         self.weight_sync.close()  # it owns this rank's engine clients
 
-    def train_on(self, batch: RolloutBatch) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
-
+    def train_on(self, local: RolloutBatch) -> dict[str, float]:
+        """The policy step on this data-parallel replica's slice (BatchScatter)."""
         if self.colocate.trainer_offloaded:
             raise RuntimeError("GRPO: the trainer's state is offloaded (colocated rollout phase); reload it first")
 
         t0 = time.perf_counter()
-        n = batch.size // self.dp
-        r = ps.get_data_parallel_rank()
-        local = batch.slice(r * n, (r + 1) * n)
         lr = self.trainer.apply_lr()
         history = policy_update(self.trainer.ddp, self.trainer.optimizer, local, policy_loss=self.policy_loss,
                                 aggregation=self.cfg.grpo.loss_aggregation,
@@ -189,7 +187,7 @@ class GRPORun:
         out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}
         out["train/lr"] = lr
         out["time/train_s"] = dt
-        out["perf/train_tokens_per_s"] = float(batch.mask_BS.sum()) / max(dt, 1e-9)
+        out["perf/train_tokens_per_s"] = float(local.mask_BS.sum()) * self.dp / max(dt, 1e-9)  # DP slices: even
         return out
 
 
@@ -227,7 +225,8 @@ def run_grpo(cfg) -> dict[str, float]:
             step = run.trainer.iteration
             run.colocate.to_rollout(step)
             batch, metrics = run.make_batch(step)
-            batch = _broadcast(batch)
+            batch, scattered = run.scatter.scatter(batch)
+            metrics.update(scattered)
             if batch is not None:
                 run.colocate.to_train(step)
                 metrics.update(run.train_on(batch))
