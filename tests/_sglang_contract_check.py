@@ -82,7 +82,8 @@ async def _drive(named):
         await c.update_weights_from_tensor(named, weight_version=None, flush_cache=True, abort_all_requests=True)
         await c.init_weights_update_group("127.0.0.1", 29511, 1, 3, "wg_r0", "gloo")
         await c.update_weights_from_distributed([n for n, _ in named], [t.dtype for _, t in named],
-                                                [list(t.shape) for _, t in named], "wg_r0", weight_version="8")
+                                                [list(t.shape) for _, t in named], "wg_r0", weight_version="8",
+                                                load_format="flattened_bucket")
         await c.destroy_weights_update_group("wg_r0")
         await c.end_weight_update()
         await c.update_weights_from_disk("/ckpt/v9", weight_version="9")
@@ -159,6 +160,8 @@ def check_requests() -> dict:
                     report["problems"].append(f"/generate sampling params read as {sp.__dict__}")
             except Exception as e:
                 report["problems"].append(f"/generate sampling_params {req.sampling_params}: {e}")
+        if path == "/update_weights_from_distributed" and req.load_format != "flattened_bucket":
+            report["problems"].append(f"{path}: load_format {req.load_format!r}, the sync sends flattened buckets")
         if path == "/update_weights_from_tensor":
             if len(req.serialized_named_tensors) != 2:
                 report["problems"].append(f"{path}: {len(req.serialized_named_tensors)} payloads for TP 2")

@@ -67,9 +67,10 @@ class Engine(ABC):
     async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group", weight_version: Optional[str] = None,
-        flush_cache: bool = True, abort_all_requests: bool = False,
+        flush_cache: bool = True, abort_all_requests: bool = False, load_format: Optional[str] = None,
     ) -> None:
-        """Receive one broadcast per name (in order) from rank 0 of the group and load them."""
+        """Receive the announced tensors from rank 0 of the group and load them: one broadcast per name
+        (load_format None) or one broadcast of their bytes back to back ("flattened_bucket", as SGLang)."""
 
     @abstractmethod
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

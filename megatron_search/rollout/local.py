@@ -27,7 +27,7 @@ from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
 from .local_runner import ModelRunner, PrefixStore, SeqState, load_hf_model
 from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
 from .types import FinishReason, GenerateRequest, GenerateResult
-from .weight_group import close_weight_group, open_weight_group, receive_named_tensors
+from .weight_group import FLAT, close_weight_group, open_weight_group, receive_flat_bucket, receive_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -335,15 +335,19 @@ class LocalEngine(Engine):
         self._groups[group_name] = group
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                              weight_version=None, flush_cache=True, abort_all_requests=False):
+                                              weight_version=None, flush_cache=True, abort_all_requests=False,
+                                              load_format=None):
         self._require_session("update_weights_from_distributed")
+        if load_format not in (None, FLAT):  # SGLang raises NotImplementedError (and its server dies)
+            raise EngineError(f"update_weights_from_distributed: unknown load_format {load_format!r}")
         group = self._groups.get(group_name)
         if group is None:
             raise EngineError(f"update_weights_from_distributed: no group {group_name!r}; call init_weights_update_group")
         torch_dtypes = check_dtypes(dtypes)
 
         def run():
-            named = receive_named_tensors(group, names, torch_dtypes, shapes)
+            receive = receive_flat_bucket if load_format == FLAT else receive_named_tensors
+            named = receive(group, names, torch_dtypes, shapes)
             load_named_tensors(self.runner.model, named)
             self._after_update(weight_version, flush_cache)
         await self._control(run, abort_all=abort_all_requests)

@@ -177,7 +177,7 @@ async def update_weights_from_distributed(request: web.Request, engine: LocalEng
         names, _field(body, "dtypes", list, path=p), _field(body, "shapes", list, path=p),
         group_name=_field(body, "group_name", str, "weight_update_group", p),
         weight_version=body.get("weight_version"), flush_cache=bool(body.get("flush_cache", True)),
-        abort_all_requests=bool(body.get("abort_all_requests", False)),
+        abort_all_requests=bool(body.get("abort_all_requests", False)), load_format=body.get("load_format"),
     )
     return _ok(f"received {len(names)} tensors")
 

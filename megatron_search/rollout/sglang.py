@@ -185,12 +185,15 @@ class SGLangClient(Engine):
         })
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                              weight_version=None, flush_cache=True, abort_all_requests=False):
+                                              weight_version=None, flush_cache=True, abort_all_requests=False,
+                                              load_format=None):
         payload = {
             "names": list(names), "dtypes": [str(d).replace("torch.", "") for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }
+        if load_format is not None:
+            payload["load_format"] = load_format
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._call("/update_weights_from_distributed", payload)

@@ -75,3 +75,31 @@ def receive_named_tensors(
     for name, dt, shape in zip(names, dtypes, shapes):
         out.append((name, broadcast(group, torch.empty(tuple(shape), dtype=dt), src=0)))
     return out
+
+
+FLAT = "flattened_bucket"  # SGLang's load_format: the announced tensors' bytes in one broadcast
+
+
+def send_flat_bucket(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.Tensor]],
+                     device: torch.device | str = "cpu") -> None:
+    """Trainer side of load_format "flattened_bucket": every tensor's bytes back to back, one broadcast."""
+    flat = torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    broadcast(group, flat, src=0)
+
+
+def receive_flat_bucket(
+    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Engine side of "flattened_bucket": one broadcast, split at the announced sizes."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+    if not names:
+        return []
+    sizes = [dt.itemsize * int(torch.Size(shape).numel()) for dt, shape in zip(dtypes, shapes)]
+    flat = broadcast(group, torch.empty(sum(sizes), dtype=torch.uint8), src=0)
+    out = []
+    for name, dt, shape, part in zip(names, dtypes, shapes, torch.split(flat, sizes)):
+        if part.storage_offset() % dt.itemsize:  # mixed dtypes: realign before the view
+            part = part.clone()
+        out.append((name, part.view(dt).reshape(tuple(shape))))
+    return out

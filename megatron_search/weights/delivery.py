@@ -16,17 +16,17 @@ assembles and sends it; `HFExporter` moves the TP shards to those ranks round by
   disk (either)                   each sender writes its buckets as safetensors files into one
                                   directory per destination; the engine loads it with
                                   /update_weights_from_disk.
-Order, per engine (its controller is the rank that sends the destination's last parameter), in the
-sequence SGLang 0.5.23 accepts:
+Order, per engine (its controller is the lowest rank that feeds it), in the sequence SGLang 0.5.23
+accepts:
   pause_generation(abort | retract)   rollout.inflight_on_update=abort ends in-flight requests;
                                       finish retracts them (their KV is freed, they re-prefill on the
                                       new weights after continue), so the engine is idle for the flush
   begin_weight_update                 tensor and distributed updates are refused outside a session
   every rank's buckets, no version    then a barrier over the training ranks
-  the controller's held-back last bucket with weight_version and flush_cache=True
-                                      (an engine reporting version v holds all of v; the flush succeeds
-                                      because nothing runs; an in-place pause would hold running
-                                      requests and make SGLang refuse it)
+  update_weight_version, flush_cache  by the controller once every rank is done (an engine reporting
+                                      version v holds all of v); the flush succeeds because nothing
+                                      runs (an in-place pause would hold running requests, and SGLang
+                                      refuses the flush then); disk: the load carries the version
   end_weight_update, continue_generation
 """
 from __future__ import annotations
@@ -105,6 +105,8 @@ class WeightSync:
         self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
         self._files_written = 0  # disk mode: this rank's files in the version being written
         self._open_sessions: list = []  # engines this rank opened a weight-update session on
+        self._exporter: Optional[HFExporter] = None
+        self._exporter_key: tuple = ()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- public -------------------------------------------------------------------------------
@@ -114,32 +116,22 @@ class WeightSync:
         self._files_written = 0
         tag = str(version if version is not None else self.version)
         start = time.perf_counter()
-        exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, out_dtype=self.out_dtype,
-                              world_group=self.world_group, destinations=self.destinations, rank_node=self.rank_node)
+        exporter = self._exporter_for(model_chunks, arch, groups)
         plan = exporter.plan
-        final = self._final_assignments(plan)
-        controlled = [d for d, k in final.items() if plan.assignments[k].sender == self.rank]
+        controlled = [d for d, dest in enumerate(self.destinations) if min(dest.ranks) == self.rank]
         self._run(self._control(controlled, "pause"))
         try:
             if self.mode == "distributed":
                 self._open_groups(plan)
             self._barrier()
-            held: dict[int, list] = {}
             for k_round, mine in enumerate(exporter.rounds()):
-                ready = {}
-                for d, bucket in mine.items():
-                    if d in controlled and final[d] in plan.rounds[k_round].get(self.rank, []):
-                        held[d] = bucket  # goes last, with the version, once every rank is done
-                    else:
-                        ready[d] = bucket
-                del mine
                 for _ in self._turns(plan.rounds[k_round]):
-                    for d, bucket in ready.items():
-                        self._run(self._deliver(d, bucket, None, tag))
-                del ready
+                    for d, bucket in mine.items():
+                        self._run(self._deliver(d, bucket, tag))
+                del mine
             self._barrier()
             for d in controlled:
-                self._run(self._deliver(d, held.pop(d, []), tag, tag))
+                self._run(self._finish(d, tag))
         finally:
             self._run(self._control(controlled, "continue"))
         self._barrier()
@@ -167,13 +159,16 @@ class WeightSync:
             self._loop = None
 
     # ---- plan helpers -------------------------------------------------------------------------
-    @staticmethod
-    def _final_assignments(plan) -> dict[int, int]:
-        """Per destination, the assignment sent last (its sender controls the destination's engines)."""
-        last: dict[int, int] = {}
-        for k, a in enumerate(plan.assignments):
-            last[a.dest] = k
-        return last
+    def _exporter_for(self, model_chunks, arch, groups) -> HFExporter:
+        """The plan depends only on the layout, so one exporter serves every push of the same model
+        (its parameters are updated in place; colocated offload keeps the same storages)."""
+        key = tuple(id(c) for c in model_chunks)
+        if self._exporter is None or self._exporter_key != key:
+            self._exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, out_dtype=self.out_dtype,
+                                        world_group=self.world_group, destinations=self.destinations,
+                                        rank_node=self.rank_node)
+            self._exporter_key = key
+        return self._exporter
 
     def _turns(self, senders):
         """Yield once when this rank may deliver. Broadcast groups take turns, one sender at a time in rank
@@ -233,27 +228,38 @@ class WeightSync:
             finally:
                 await asyncio.gather(*(e.continue_generation() for e in engines))
 
-    async def _deliver(self, d: int, bucket, version: Optional[str], tag: str) -> None:
-        last = version is not None
-        flush = last  # the engine is idle (paused with abort or retract), so SGLang's flush succeeds
+    async def _deliver(self, d: int, bucket, tag: str) -> None:
+        """One bucket of this rank's into destination d's engines, without a version and without a flush."""
+        if not bucket:
+            return
         engines = self._engines_of(d)
         if self.mode == "disk":
-            await self._deliver_disk(d, bucket, last, tag)
+            self._write_disk(d, bucket, tag)
         elif self.mode == "tensor":
-            if bucket or last:
-                await asyncio.gather(*(e.update_weights_from_tensor(bucket, weight_version=version, flush_cache=flush)
-                                       for e in engines))
-        elif bucket or last:
-            from megatron_search.rollout.weight_group import send_named_tensors
+            await asyncio.gather(*(e.update_weights_from_tensor(bucket, weight_version=None, flush_cache=False)
+                                   for e in engines))
+        else:
+            from megatron_search.rollout.weight_group import FLAT, send_flat_bucket
 
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
             calls = asyncio.gather(*(e.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=self._my_group_name(), weight_version=version, flush_cache=flush)
-                for e in engines))
+                names, dtypes, shapes, group_name=self._my_group_name(), weight_version=None, flush_cache=False,
+                load_format=FLAT) for e in engines))
             device = "cuda" if self.backend == "nccl" else "cpu"  # NCCL broadcasts from the GPU
-            await asyncio.gather(calls, asyncio.to_thread(send_named_tensors, self._group, bucket, device))
+            # one broadcast per bucket (SGLang's flattened_bucket), not one per tensor
+            await asyncio.gather(calls, asyncio.to_thread(send_flat_bucket, self._group, bucket, device))
+
+    async def _finish(self, d: int, tag: str) -> None:
+        """Controller, after every rank delivered: the version (and the flush), or the disk load with it."""
+        engines = self._engines_of(d)
+        if self.mode == "disk":
+            await self._load_disk(d, tag)
+            return
+        # abort_all_requests=False: retracted requests wait in the queue and must survive
+        await asyncio.gather(*(e.update_weight_version(tag, abort_all_requests=False) for e in engines))
+        await asyncio.gather(*(e.flush_cache() for e in engines))  # idle: paused with abort or retract
 
     async def _open_group(self) -> None:
         """This rank hosts a broadcast group with every engine: rank 0 here, engines from rank 1 on."""
@@ -274,20 +280,20 @@ class WeightSync:
         base = self.disk_dir / self.destinations[d].name
         return base / f".weights_v{tag}.tmp", base / f"weights_v{tag}"
 
-    async def _deliver_disk(self, d: int, bucket, last: bool, tag: str) -> None:
-        """Each sender writes its own files; the controller renames the directory and has the engines load it."""
+    def _write_disk(self, d: int, bucket, tag: str) -> None:
+        """Each sender writes its own files into the version's directory (renamed whole by the controller)."""
         from safetensors.torch import save_file
 
+        tmp, _ = self._disk_paths(d, tag)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self._files_written += 1
+        path = tmp / f"model-r{self.rank:05d}-{self._files_written:05d}.safetensors"
+        save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(path.with_suffix(".part")),
+                  metadata={"format": "pt"})
+        path.with_suffix(".part").rename(path)
+
+    async def _load_disk(self, d: int, tag: str) -> None:
         tmp, final = self._disk_paths(d, tag)
-        if bucket:
-            tmp.mkdir(parents=True, exist_ok=True)
-            self._files_written += 1
-            path = tmp / f"model-r{self.rank:05d}-{self._files_written:05d}.safetensors"
-            save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(path.with_suffix(".part")),
-                      metadata={"format": "pt"})
-            path.with_suffix(".part").rename(path)
-        if not last:
-            return
         tmp.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
