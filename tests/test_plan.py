@@ -136,3 +136,19 @@ def test_weight_sync_estimate_for_397b_from_the_send_plan():
 def test_bucket_smaller_than_the_embedding_is_refused_at_config_time():
     with pytest.raises(ConfigError, match=r"rollout.weight_bucket_mb: 512 MiB is smaller than the embedding \[248320, 4096\]"):
         load_config("configs/qwen3_5_397b_a17b_grpo.yaml", ["rollout.weight_bucket_mb=512"])
+
+
+def test_colocated_phases_count_what_stays_resident():
+    """Colocated 397B: SGLang at mem_fraction_static 0.95 holds 0.95 x 141 = 134.0 GiB during rollouts, and the
+    reward model (the policy's backbone, RECIPE 1) stays resident on the same GPU: 142 GiB > 135 usable. A plan
+    that looked at training and rollout memory separately would call this a fit."""
+    ok = make_plan(load_config("configs/qwen3_5_397b_a17b_grpo.yaml", ["parallel.world_size=null"]))
+    assert ok.fits and {p.phase.split(" (")[0] for p in ok.phases} == {"rollout", "preference scoring", "training", "sync"}
+    rollout = next(p for p in ok.phases if p.phase.startswith("rollout"))
+    assert rollout.parts["engine (weights + KV cache)"] == pytest.approx(0.85 * 141 * GIB)
+    tight = make_plan(load_config("configs/qwen3_5_397b_a17b_grpo.yaml",
+                                  ["parallel.world_size=null", "rollout.sglang.mem_fraction_static=0.95"]))
+    assert not tight.fits
+    assert any("colocated phase 'rollout'" in p for p in tight.problems), tight.problems
+    # the same engine alone (no reward model counted) would have fitted: 134.0 GiB < 135 GiB usable
+    assert 0.95 * 141 < 141 - 6

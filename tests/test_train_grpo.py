@@ -59,10 +59,15 @@ def check_colocated_cycle(run_dir: Path, steps: int) -> None:
     for step in range(steps):
         phases = [r for r in rows if r["step"] == step]
         names = [r["phase"] for r in phases]
-        assert names in (["rollout", "train", "sync", "resumed"], ["rollout", "sync", "resumed"]), names
+        assert names in (["rollout", "scoring", "train", "sync", "resumed"], ["rollout", "scoring", "sync", "resumed"]), names
         by = {r["phase"]: r for r in phases}
         assert by["rollout"]["trainer_bytes"] == 0 and by["rollout"]["engine_weights_bytes"][0] > 0
-        assert by["sync"]["trainer_bytes"] > 0 and by["sync"]["engine_weights_bytes"][0] > 0
+        # at the push only the parameters are resident (grads and optimizer state left before the engine's
+        # weights came back); at the rollout phase nothing is
+        assert 0 < by["sync"]["trainer_bytes"] < by.get("train", {"trainer_bytes": float("inf")})["trainer_bytes"]
+        assert by["sync"]["engine_weights_bytes"][0] > 0
+        assert by["scoring"]["engine_weights_bytes"] == [0] and by["scoring"]["engine_kv_cache_bytes"] == [0]
+        assert by["scoring"]["trainer_bytes"] == 0
         if "train" in by:
             trained += 1
             assert by["train"]["engine_weights_bytes"] == [0] and by["train"]["engine_kv_cache_bytes"] == [0]
@@ -75,9 +80,13 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     from _grpo_fixture import grpo_worker
     from _mp import run_spawned
 
-    layouts = [("single", ["grpo.routing_agreement=true"]), ("replay", ["grpo.routing_replay=true"])]
+    # checkpoints after every step: the colocated cycle must bring the optimizer state back before a save
+    layouts = [("single", ["grpo.routing_agreement=true", "checkpoint.save_interval=1"]),
+               ("replay", ["grpo.routing_replay=true"])]
     run_spawned(grpo_worker, 1, layouts, fx, str(tmp_path))
     check_run(tmp_path / "single", 2)
+    saved = sorted(p.name for p in (tmp_path / "single" / "checkpoints").glob("step_*"))
+    assert saved and saved[-1] == "step_00000002", saved
     # replay off: the agreement between training's and the engine's experts is measured, not forced
     natural = scalars(tmp_path / "single", "train/routing_agreement")
     assert natural and all(0.0 <= a <= 1.0 for a in natural)

@@ -60,6 +60,35 @@ class RolloutMemory:
 
 
 @dataclass
+class PhaseMemory:
+    """Per-GPU bytes resident in one phase of a colocated GRPO step (train/grpo_colocate.py's order)."""
+
+    phase: str
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def colocated_phases(stage: StageMemory, ro: RolloutMemory, engine_fraction_bytes: float,
+                     bucket_bytes: float) -> list[PhaseMemory]:
+    """What stays resident in each phase, on the GPU of `stage`. The reward model has the policy's backbone and
+    layout (RECIPE 1) and stays resident throughout (train/grpo_colocate.py does not offload it); SGLang holds
+    mem_fraction_static x GPU memory while its memory is not released; the engines are released before
+    preference scoring. The scoring activations are bounded by the stage's training activations (an
+    overestimate: scoring keeps no activations for a backward and has no vocabulary logits)."""
+    rm = stage.weights
+    return [
+        PhaseMemory("rollout", {"engine (weights + KV cache)": engine_fraction_bytes, "reward model": rm}),
+        PhaseMemory("preference scoring", {"reward model": rm, "reward model activations": stage.activations}),
+        PhaseMemory("training", {"trainer": stage.total, "reward model": rm}),
+        PhaseMemory("sync", {"trainer parameters": stage.weights, "engine weights": ro.weights, "reward model": rm,
+                             "export buckets": 2 * bucket_bytes}),
+    ]
+
+
+@dataclass
 class Plan:
     train_gpus: int
     rollout_gpus: int
@@ -69,6 +98,7 @@ class Plan:
     rollout: RolloutMemory | None = None
     problems: list[str] = field(default_factory=list)
     sync: object | None = None  # plan.weight_sync.SyncReport (GRPO)
+    phases: list[PhaseMemory] = field(default_factory=list)  # colocated GRPO, on the peak stage's GPU
 
     @property
     def fits(self) -> bool:
@@ -211,6 +241,18 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
                 f"rollout.sglang: KV cache holds {ro.max_tokens} tokens, fewer than one rollout "
                 f"(rollout.max_total_tokens={cfg.rollout.max_total_tokens})"
             )
+        if cfg.rollout.mode == "colocated" and ro.kv_budget > 0:
+            # every stage's GPU also hosts an engine: check each phase on every stage, report each phase's worst
+            worst: dict[str, tuple[int, PhaseMemory]] = {}
+            for st in plan.stages:
+                for ph in colocated_phases(st, ro, sg.mem_fraction_static * c.gpu_mem_gib * GIB,
+                                           cfg.weight_bucket_bytes()):
+                    if ph.phase not in worst or ph.total > worst[ph.phase][1].total:
+                        worst[ph.phase] = (st.stage, ph)
+                    if ph.total > usable:
+                        problems.append(f"memory: colocated phase '{ph.phase}' needs {ph.total / GIB:.1f} GiB on "
+                                        f"pipeline stage {st.stage}, more than the {usable / GIB:.1f} GiB usable")
+            plan.phases = [PhaseMemory(f"{name} (stage {s})", ph.parts) for name, (s, ph) in worst.items()]
         if not any(x.startswith(("parallel.", "rollout.weight_bucket_mb")) for x in problems):
             from .weight_sync import weight_sync_report
 

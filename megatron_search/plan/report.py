@@ -22,6 +22,10 @@ def format_plan(plan: Plan, title: str) -> str:
             f"KV cache {max(r.kv_budget, 0) / GIB:.1f} GiB/GPU = {r.max_tokens:,} tokens"
             + (f", GDN state {r.state_bytes_per_seq / 2**20:.1f} MiB/sequence" if r.state_bytes_per_seq else "")
         )
+    if plan.phases:
+        lines.append("colocated phases (GiB per GPU, each phase on its busiest stage): " + "; ".join(
+            f"{p.phase} {p.total / GIB:.1f} (" + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.parts.items()) + ")"
+            for p in plan.phases))
     if plan.sync is not None:
         from .weight_sync import format_sync_report
 

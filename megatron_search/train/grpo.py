@@ -137,6 +137,7 @@ class GRPORun:
             m["perf/rollouts_per_s"] = len(col.rollouts) / max(t1 - t0, 1e-9)
             m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
             triples = preference_inputs(col.items, col.rollouts, refs)
+        self.colocate.to_scoring(step)  # the engines are idle now: their memory goes to the reward model
         t2 = time.perf_counter()
         s = self.preference.score(*_broadcast(triples))
         if not self.is_driver:
@@ -245,6 +246,7 @@ def run_grpo(cfg) -> dict[str, float]:
                                                       "train/loss", "train/grad_norm", "train/mismatch_kl_k3",
                                                       "time/rollout_s", "time/train_s"]), flush=True)
             if run.trainer.should_save():
+                run.colocate.ensure_resident()  # gradients and optimizer state left for the push
                 run.trainer.save(extra=_broadcast(_driver_extra(run)))
         run.colocate.ensure_resident()
         if run.stop.requested:

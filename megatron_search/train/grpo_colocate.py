@@ -4,11 +4,15 @@ Per step, in this order (the phases are logged to <output_dir>/colocate_phases.j
 each side holds, and timed as time/release_s, time/resume_s, time/offload_s):
   rollout   the trainer's parameters, gradient buffers and optimizer state are offloaded to host
             (train/offload.py); the engines hold weights and KV cache and generate
-  train     the engines release weights and KV cache (release_memory_occupation; they are idle: every
-            rollout of the step has finished), the trainer's state comes back, the policy trains
-  sync      the engines get their weight memory back (resume_memory_occupation(weights): contents
-            undefined until pushed), the weight sync pushes the new policy, then the KV cache returns
-A step without signal trains nothing, so the engines keep their memory through it. The reward model
+  scoring   once rollouts and reference answers are in, the engines release weights and KV cache
+            (release_memory_occupation; they are idle: every rollout has finished) before the reward
+            model scores on the training ranks
+  train     the trainer's state comes back, the policy trains
+  sync      gradients and optimizer state leave first (the export needs only the parameters), then the
+            engines get their weight memory back (resume_memory_occupation(weights): contents
+            undefined until pushed), the weight sync pushes the new policy, then the KV cache returns;
+            the parameters leave at the next rollout phase
+A step without signal trains nothing; its engines still come back before the push. The reward model
 (on the training ranks) stays resident; it is not offloaded yet.
 """
 from __future__ import annotations
@@ -41,29 +45,38 @@ class ColocatedCycle:
         if not self.enabled:
             return
         t0 = time.perf_counter()
-        self.offloader.offload()
+        self.offloader.offload()  # what is still resident: the parameters after a sync, all of it at the start
         self.metrics["time/offload_s"] = time.perf_counter() - t0
         self._record(step, "rollout")
 
-    def to_train(self, step: int) -> None:
-        """After rollouts and scoring, before the policy step: engines release, the trainer returns."""
+    def to_scoring(self, step: int) -> None:
+        """Rollouts and references done (every rank, before the reward model scores): the engines release."""
         if not self.enabled:
             return
         t0 = time.perf_counter()
         self._engines("release_memory_occupation", ["weights", "kv_cache"])
         self.released = True
-        t1 = time.perf_counter()
+        self.metrics["time/release_s"] = time.perf_counter() - t0
+        self._record(step, "scoring")
+
+    def to_train(self, step: int) -> None:
+        """Before the policy step: the trainer's state returns."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
         self.offloader.reload()
-        self.metrics["time/release_s"] = t1 - t0
-        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t1
+        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t0
         self._record(step, "train")
 
     def to_sync(self, step: int) -> None:
-        """Before the weight push: the engines' weight memory comes back (the push fills it)."""
+        """Before the weight push: gradients and optimizer state leave, the parameters are resident (the
+        exporter reads them), and the engines' weight memory comes back (the push fills it)."""
         if not self.enabled:
             return
-        if not self.released and self.offloader.offloaded:  # no signal this step: nothing trained
-            self.offloader.reload()
+        t0 = time.perf_counter()
+        self.offloader.offload(("grads", "optimizer"))
+        self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
+        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t0
         if self.released:
             t0 = time.perf_counter()
             self._engines("resume_memory_occupation", ["weights"])

@@ -45,6 +45,9 @@ def _optimizer_tensors(opt) -> Iterator[torch.Tensor]:
                 yield from (t for t in group if isinstance(t, torch.Tensor))
 
 
+KINDS = ("params", "grads", "optimizer")
+
+
 @dataclass
 class _Saved:
     storage: torch.UntypedStorage
@@ -54,68 +57,89 @@ class _Saved:
 
 @dataclass
 class StateOffloader:
-    """Offload / reload the trainer's storages; `resident_bytes()` is what it occupies on its device now."""
+    """Offload / reload the trainer's storages by kind (params, grads, optimizer); `resident_bytes()` is what
+    it occupies on its device now. A storage shared by two kinds (an fp32 optimizer stepping the parameters
+    themselves) belongs to the first kind that names it, in KINDS order."""
 
     model_chunks: list
     optimizer: object
-    saved: list[_Saved] = field(default_factory=list)
+    saved: dict[str, list[_Saved]] = field(default_factory=dict)
 
-    def _storages(self) -> list[torch.UntypedStorage]:
-        tensors: list[torch.Tensor] = []
+    def _storages(self) -> dict[str, list[torch.UntypedStorage]]:
+        named: dict[str, list[torch.Tensor]] = {k: [] for k in KINDS}
         for chunk in self.model_chunks:
             for p in chunk.parameters():
-                tensors.append(p.data)
+                named["params"].append(p.data)
                 g = getattr(p, "main_grad", None)
                 if isinstance(g, torch.Tensor):
-                    tensors.append(g)
+                    named["grads"].append(g)
                 if p.grad is not None:
-                    tensors.append(p.grad)
-        tensors += list(_optimizer_tensors(self.optimizer))
-        out, seen = [], set()
-        for t in tensors:
-            s = t.untyped_storage()
-            key = (s.device, s.data_ptr())
-            if s.nbytes() == 0 or key in seen:
-                continue
-            seen.add(key)
-            out.append(s)
+                    named["grads"].append(p.grad)
+        named["optimizer"] = list(_optimizer_tensors(self.optimizer))
+        out: dict[str, list[torch.UntypedStorage]] = {k: [] for k in KINDS}
+        seen = set()
+        for kind in KINDS:
+            for t in named[kind]:
+                s = t.untyped_storage()
+                key = (s.device, s.data_ptr())
+                if key in seen:
+                    continue
+                seen.add(key)
+                if s.nbytes() or kind in self.saved:
+                    out[kind].append(s)
         return out
 
     @property
     def offloaded(self) -> bool:
+        """Anything is off the device (training must not run then)."""
         return bool(self.saved)
 
-    def resident_bytes(self) -> int:
-        return sum(s.nbytes() for s in self._storages())
+    def offloaded_kinds(self) -> set[str]:
+        return set(self.saved)
 
-    def offload(self) -> int:
-        """Copy every storage to host and free it on the device; returns the bytes moved."""
-        if self.saved:
-            raise RuntimeError("StateOffloader.offload: the state is already offloaded")
+    def resident_bytes(self) -> int:
+        return sum(s.nbytes() for group in self._storages().values() for s in group)
+
+    def offload(self, kinds=KINDS) -> int:
+        """Copy the storages of `kinds` (those not offloaded yet) to host and free them on the device; returns
+        the bytes moved."""
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"StateOffloader.offload: unknown kinds {sorted(unknown)}; choose from {KINDS}")
         moved = 0
         pin = torch.cuda.is_available()
-        for s in self._storages():
-            n = s.nbytes()
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-            host.copy_(_bytes_view(s, n), non_blocking=pin)
-            self.saved.append(_Saved(s, n, host))
-            moved += n
+        storages = self._storages()
+        fresh: list[_Saved] = []
+        for kind in KINDS:
+            if kind not in kinds or kind in self.saved:
+                continue
+            items = []
+            for s in storages[kind]:
+                n = s.nbytes()
+                if n == 0:
+                    continue
+                host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                host.copy_(_bytes_view(s, n), non_blocking=pin)
+                items.append(_Saved(s, n, host))
+                moved += n
+            self.saved[kind] = items
+            fresh += items
         if pin:
             torch.cuda.synchronize()
-        for item in self.saved:
+        for item in fresh:
             item.storage.resize_(0)
         return moved
 
-    def reload(self) -> int:
-        """Give every storage its bytes back (same storage objects, so views stay valid); returns the bytes."""
+    def reload(self, kinds=KINDS) -> int:
+        """Give the storages of `kinds` their bytes back (same storage objects, so views stay valid)."""
         moved = 0
-        for item in self.saved:
-            item.storage.resize_(item.nbytes)
-            _bytes_view(item.storage, item.nbytes).copy_(item.host, non_blocking=item.host.is_pinned())
-            moved += item.nbytes
+        for kind in [k for k in KINDS if k in kinds and k in self.saved]:
+            for item in self.saved.pop(kind):
+                item.storage.resize_(item.nbytes)
+                _bytes_view(item.storage, item.nbytes).copy_(item.host, non_blocking=item.host.is_pinned())
+                moved += item.nbytes
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.saved = []
         return moved
 
 
