@@ -11,12 +11,14 @@ per-microbatch means is the global token mean.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
+
+from . import collectives as coll
 
 
 @dataclass
@@ -30,6 +32,12 @@ class Batch:
     def slice(self, start: int, stop: int) -> "Batch":
         mask = None if self.loss_mask is None else self.loss_mask[start:stop]
         return Batch(self.tokens[start:stop], self.labels[start:stop], mask)
+
+    def to(self, device) -> "Batch":
+        """The same batch (of the same class: subclasses add fields) with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 def wrap_ddp(cfg, chunks: list, config) -> list:
@@ -102,7 +110,7 @@ def forward_backward(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
-        b: Batch = next(data_iterator)
+        b: Batch = next(data_iterator).to(next(model.parameters()).device)  # host until here
         s = b.tokens.shape[1]
         position_ids = torch.arange(s, device=b.tokens.device).unsqueeze(0).expand_as(b.tokens)
         output = model(b.tokens, position_ids, None, labels=b.labels)
@@ -145,9 +153,9 @@ def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int,
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         loss += sum(float(d["loss"]) for d in out) / num_mb
     # Every rank reports the same value: average over DP on the last stage, then share across PP.
-    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    coll.all_reduce(loss, group=ps.get_data_parallel_group())
     loss /= ps.get_data_parallel_world_size()
-    dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    coll.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
     return float(loss), float(grad_norm)
 
 

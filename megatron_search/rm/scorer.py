@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.step import Batch
 from megatron_search.rewards.bradley_terry import ScorerKind, debiased_delta, preference_probability, scorer_deltas
 
@@ -106,7 +107,6 @@ def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int) -> Tenso
     Runs Megatron's schedule (so PP works), gathers the last stage's values and broadcasts them
     over the pipeline group. Rows are padded with copies of the last row to whole microbatches.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_search.distributed.step import forward_backward
@@ -140,12 +140,9 @@ def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int) -> Tenso
     values = torch.zeros(total, dtype=torch.float32)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         values = torch.cat([d["values"].float().cpu() for d in out])
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        values = values.to(dev)
-        dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(),
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # placed on the group's device by the helper
+        coll.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
-        values = values.cpu()
     return values[:n]
 
 

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_search.distributed import collectives as coll
+
 from megatron_search.rewards.bradley_terry import debiased_delta, symmetric_bt_loss
 from megatron_search.train.core import Trainer, checkpoint_root
 from megatron_search.train.metrics import MetricsWriter, format_line
@@ -121,8 +123,8 @@ def _global_sums(parts: list) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     t = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
-    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    coll.all_reduce(t, group=ps.get_data_parallel_group())
+    coll.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
     return t
 
 

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_search.distributed import collectives as coll
+
 from .rollout_batch import RolloutBatch
 
 
@@ -70,6 +72,6 @@ class BatchScatter:
             dist.broadcast_object_list(box, src=self.leader, group=self.mp_group)
             local = box[0]
         received = torch.tensor([0 if self.rank == 0 else batch_nbytes(local)], dtype=torch.float64)
-        dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        coll.all_reduce(received, op=dist.ReduceOp.MAX)
         stats = {"batch/total_MB": batch_nbytes(batch) / 2**20, "batch/max_rank_received_MB": float(received) / 2**20}
         return local, stats if self.rank == 0 else {}

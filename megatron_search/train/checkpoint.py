@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_search.distributed import collectives as coll
+
 from .checkpoint_dir import save_checkpoint
 from .sharded_state import load_sharded, optimizer_parts, save_sharded
 
@@ -78,7 +80,7 @@ def reseed_rng(seed: int, iteration: int, rank: int) -> None:
 # ---------------------------------------------------------------------------------- collectives, layout
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        coll.barrier()
 
 
 def _agreed_nonce() -> str:

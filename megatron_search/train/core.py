@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.step import (
     Batch,
     data_parallel_slice,
@@ -107,7 +107,7 @@ class Trainer:
 
         n = batch.labels.numel() if batch.loss_mask is None else batch.loss_mask.sum()
         t = torch.tensor(float(n), dtype=torch.float64)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        coll.all_reduce(t, group=ps.get_data_parallel_group())
         return int(t.item())
 
     def step(self, batch: Batch, loss_fn: Callable = token_mean_ce, micro_batch_size: Optional[int] = None) -> dict:

@@ -18,7 +18,13 @@ import torch.distributed as dist
 
 from megatron_search.kernels.logprob import token_logprobs
 
+from megatron_search.distributed import collectives as coll
+
 from .rollout_batch import RolloutBatch
+
+
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float:
@@ -29,7 +35,7 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
         local = (batch.mask_BS.sum(-1) > 0).sum().to(torch.float32)
     total = local.to(torch.float64).clone()
     if dist.is_initialized():
-        dist.all_reduce(total, group=dp_group)
+        coll.all_reduce(total, group=dp_group)
     return float(total)
 
 
@@ -50,11 +56,11 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
     counter = {"i": 0}
 
     def forward_step(data_iterator, model):
-        mb: RolloutBatch = next(data_iterator)
+        mb: RolloutBatch = next(data_iterator).to(_model_device(model))  # batches live on the host until here
         i = counter["i"]
         counter["i"] += 1
         s = mb.tokens_BS.shape[1]
-        position_ids = torch.arange(s).unsqueeze(0).expand_as(mb.tokens_BS)
+        position_ids = torch.arange(s, device=mb.tokens_BS.device).unsqueeze(0).expand_as(mb.tokens_BS)
         if replay is not None:  # route every token to the experts the engine used for it
             replay.set_targets(mb.routed_experts_BSLK)
         agree = None
@@ -138,9 +144,9 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
         mean[-1] = len(per_mb)
     if dist.is_initialized():
         for group in (dp_group, pp_group):
-            dist.all_reduce(mean, group=group)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            coll.all_reduce(mean, group=group)
+            coll.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            coll.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     n = max(float(mean[-1]), 1.0)
     out = {}
     for j, k in enumerate(keys):

@@ -41,6 +41,14 @@ class RolloutBatch:
         return RolloutBatch(self.tokens_BS[start:stop], self.targets_BS[start:stop], self.logp_infer_BS[start:stop],
                             self.mask_BS[start:stop], self.advantages_B[start:stop], re)
 
+    def to(self, device) -> "RolloutBatch":
+        """The same rows on `device` (the model's: batches are packed and sent on the host)."""
+        if self.tokens_BS.device == torch.device(device):
+            return self
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return RolloutBatch(mv(self.tokens_BS), mv(self.targets_BS), mv(self.logp_infer_BS), mv(self.mask_BS),
+                            mv(self.advantages_B), mv(self.routed_experts_BSLK))
+
     def select(self, index: Sequence[int]) -> "RolloutBatch":
         idx = torch.as_tensor(list(index), dtype=torch.long)
         re = None if self.routed_experts_BSLK is None else self.routed_experts_BSLK[idx]

@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_search.distributed import collectives as coll
 from tqdm import tqdm
 
 from .metrics import MetricsWriter, format_line
@@ -52,7 +54,7 @@ def _agree_stop(requested: bool) -> bool:
     """True on every rank when any rank got a stop signal (ranks see signals at different times)."""
     flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        coll.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_search.distributed import collectives as coll
 from tqdm import tqdm
 
 from megatron_search.config.hf import architecture_from_hf, load_hf_config
@@ -40,7 +42,7 @@ def _state_dict_key(i: int, n: int) -> str:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        coll.barrier()
 
 
 def check_architecture(cfg, hf_config_path: Path) -> None:

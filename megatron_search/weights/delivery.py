@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
+from megatron_search.distributed import collectives as coll
 from megatron_search.weights.export import HFExporter
 from megatron_search.weights.send_plan import (Destination, colocated_destinations, disaggregated_destination)
 
@@ -195,7 +196,7 @@ class WeightSync:
 
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
-            dist.barrier(group=self.world_group)
+            coll.barrier(group=self.world_group)
 
     # ---- engine calls -------------------------------------------------------------------------
     def _run(self, coro):
