@@ -82,8 +82,16 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
 
     # checkpoints after every step: the colocated cycle must bring the optimizer state back before a save
     layouts = [("single", ["grpo.routing_agreement=true", "checkpoint.save_interval=1"]),
-               ("replay", ["grpo.routing_replay=true"])]
+               ("replay", ["grpo.routing_replay=true"]),
+               ("refs_on_rollout", ["grpo.reference_source=rollout_engines"])]
     run_spawned(grpo_worker, 1, layouts, fx, str(tmp_path))
+    # reference answers from the rollout engines: every prompt of the run (2 steps x 2 prompts) answered at
+    # step 0, before the first update; no rank-0 reference engine, no reference checkpoint
+    refs = tmp_path / "refs_on_rollout"
+    pre = scalars(refs, "references/pregenerated")
+    cached = (refs / "reference_answers.jsonl").read_text().splitlines()
+    assert pre and 1 <= pre[0] == len(cached) <= 4, (pre, len(cached))
+    assert len(scalars(refs, "reward/mean")) == 2 and not (refs / "reference_weights").exists()
     check_run(tmp_path / "single", 2)
     saved = sorted(p.name for p in (tmp_path / "single" / "checkpoints").glob("step_*"))
     assert saved and saved[-1] == "step_00000002", saved

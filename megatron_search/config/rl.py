@@ -48,5 +48,10 @@ class GRPOConfig(Section):
     reference_urls: list[str] = Field(
         default_factory=list,
         description="engine(s) serving the frozen reference model whose answers s is measured against "
-        "(RECIPE 5.1); empty = an in-process CPU engine holding the initial policy",
+        "(RECIPE 5.1); empty = grpo.reference_source decides",
     )
+    reference_source: Literal["auto", "in_process", "rollout_engines"] = Field(
+        "auto", description="without reference_urls: in_process = a transformers engine on rank 0 holding the "
+        "initial policy (small models only); rollout_engines = every reference answer of the run generated up "
+        "front on the rollout engines while they still hold the initial policy; auto = in_process up to "
+        "2B parameters, else rollout_engines")

@@ -47,6 +47,23 @@ class Config(Section):
             raise ValueError("\n".join(problems))
         return self
 
+    def approx_params(self) -> int:
+        """Rough language-model parameter count (embeddings, routed and shared experts, attention-sized
+        projections per layer): enough to tell a tiny model from one a rank-0 CPU engine cannot hold."""
+        a = self.model.architecture
+        per_layer = a.num_experts * 3 * a.hidden_size * a.moe_ffn_hidden_size
+        per_layer += 3 * a.hidden_size * a.shared_expert_intermediate_size + 4 * a.hidden_size * a.hidden_size
+        return 2 * a.vocab_size * a.hidden_size + a.num_layers * per_layer
+
+    def reference_source(self) -> str:
+        """Where GRPO's reference answers come from: urls, in_process or rollout_engines (grpo.reference_source)."""
+        g = self.grpo
+        if g.reference_urls:
+            return "urls"
+        if g.reference_source != "auto":
+            return g.reference_source
+        return "in_process" if self.approx_params() <= IN_PROCESS_REFERENCE_MAX_PARAMS else "rollout_engines"
+
     def largest_weight_bytes(self) -> int:
         """The embedding / output layer [V, H] in params_dtype: one HF tensor, which a bucket must hold whole."""
         a = self.model.architecture
@@ -61,6 +78,9 @@ class Config(Section):
     def data_parallel_size(self, world_size: int) -> int:
         p = self.parallel
         return world_size // (p.tp * p.pp * p.cp)
+
+
+IN_PROCESS_REFERENCE_MAX_PARAMS = 2_000_000_000  # a transformers model on rank 0 beyond this is not a reference engine
 
 
 def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
@@ -114,6 +134,11 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
     if cfg.sft.seq_length % p.sequence_multiple:
         out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
                    f"splits the sequence over the TP ranks)")
+    if cfg.grpo.reference_source == "in_process" and not cfg.grpo.reference_urls \
+            and cfg.approx_params() > IN_PROCESS_REFERENCE_MAX_PARAMS:
+        out.append(f"grpo.reference_source: in_process would load a ~{cfg.approx_params() / 1e9:.0f}B-parameter "
+                   f"transformers model on rank 0; use grpo.reference_source=rollout_engines (every reference "
+                   f"answer generated up front on the rollout engines) or grpo.reference_urls")
     r = cfg.rollout
     largest = cfg.largest_weight_bytes()
     if r.weight_bucket_mb is not None and largest > r.weight_bucket_mb << 20:

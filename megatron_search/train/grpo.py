@@ -86,10 +86,13 @@ class GRPORun:
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         engines = start_engines(self.cfg, self.out / "engines")
-        if self.cfg.grpo.reference_urls:
+        source = self.cfg.reference_source()
+        if source == "urls":
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
-        else:  # the frozen initial policy, in process (it receives the first weight sync)
+        elif source == "in_process":  # the frozen initial policy, in process (loads the first sync's checkpoint)
             reference = LocalEngine.from_config(self.cfg)
+        else:  # rollout_engines: answered up front by the rollout engines (make_batch's first step)
+            reference = None
         self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
         self.sampler = build_mix_sampler(self.cfg)
         if "sampler" in extra:
@@ -103,7 +106,7 @@ class GRPORun:
         cfg = self.cfg
         t0 = time.perf_counter()
         bucket = cfg.weight_bucket_bytes()
-        in_process_reference = not cfg.grpo.reference_urls
+        in_process_reference = cfg.reference_source() == "in_process"
         ref_dir = self.out / REFERENCE_WEIGHTS
         if first and in_process_reference and not self.resumed:
             save_hf_weights(self.trainer.model, cfg, self.ctx.groups, ref_dir, bucket)
@@ -129,6 +132,11 @@ class GRPORun:
         col = refs = None
         triples = None
         if self.is_driver:
+            if cfg.reference_source() == "rollout_engines" and not self.driver.references_frozen:
+                t = time.perf_counter()
+                m["references/pregenerated"] = float(self.driver.pregenerate_references(self._upcoming_prompts(),
+                                                                                        fresh=not self.resumed))
+                m["time/reference_pregeneration_s"] = time.perf_counter() - t
             t0 = time.perf_counter()
             col = self.driver.collect(self.sampler.take(cfg.grpo.prompts_per_step), step)
             t1 = time.perf_counter()
@@ -167,6 +175,14 @@ class GRPORun:
         batch = batch.pad_rows(padding, pad_id=pad_id)
         m["train/padding_rollouts"] = float(padding)
         return batch, m
+
+    def _upcoming_prompts(self) -> list:
+        """Every prompt the rest of the run will draw (a copy of the sampler walks ahead; the real one is untouched)."""
+        import copy
+
+        ahead = copy.deepcopy(self.sampler)
+        steps = self.cfg.grpo.steps - self.trainer.iteration
+        return [item for _ in range(steps) for item in ahead.take(self.cfg.grpo.prompts_per_step)]
 
     def close_sync(self) -> None:
         self.weight_sync.close()  # it owns this rank's engine clients

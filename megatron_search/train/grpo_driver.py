@@ -10,9 +10,12 @@ the same API. Rollouts are spread over the generation endpoints round-robin by t
 updates go to every server.
 
 Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
-same prompt) come from a frozen reference engine holding the initial policy, generated once per
-prompt and cached in <output_dir>/reference_answers.jsonl (rm/service.py's ReferenceCache), so a
-resumed run reuses them.
+same prompt) are generated once per prompt and cached in <output_dir>/reference_answers.jsonl
+(rm/service.py's ReferenceCache), so a resumed run reuses them. They come from a frozen reference
+engine holding the initial policy (grpo.reference_urls, or an in-process one for small models), or,
+with grpo.reference_source=rollout_engines, from the rollout engines themselves: every prompt of the
+run is answered up front, while those engines still hold the initial policy, and a prompt missing
+from the cache later is an error (the engines have moved on).
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class RolloutDriver:
         self.reference = None if reference is None else SearchAgent(
             reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
         self.reference_engine = reference
+        self.references_frozen = False  # rollout_engines: the engines no longer hold the initial policy
         from megatron_search.rm.service import ReferenceCache
 
         self.references = ReferenceCache(output_dir / "reference_answers.jsonl", self._generate_references)
@@ -116,15 +120,32 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ reference answers
     def _generate_references(self, prompts: list[list[dict]]) -> list[ReferenceAnswer]:
-        if self.reference is None:
-            raise RuntimeError("reference answers needed but no reference engine is configured")
-        jobs = [(self.reference, AgentTask(p, seed=self.cfg.run.seed)) for p in prompts]
+        if self.reference is None and self.references_frozen:
+            raise RuntimeError(f"reference answers for {len(prompts)} prompt(s) are not in the cache, and the rollout "
+                               f"engines no longer hold the initial policy (grpo.reference_source=rollout_engines "
+                               f"answers every prompt of the run before the first update)")
+        if self.reference is not None:
+            jobs = [(self.reference, AgentTask(p, seed=self.cfg.run.seed)) for p in prompts]
+        else:  # the rollout engines, still holding the initial policy
+            jobs = [(self.agents[i % len(self.agents)], AgentTask(p, seed=self.cfg.run.seed))
+                    for i, p in enumerate(prompts)]
         out = []
         for p, r in zip(prompts, self.run(self._gather(jobs, "reference answers"))):
             if not isinstance(r, Rollout):
                 raise RuntimeError(f"reference rollout failed for prompt {p[-1].get('content', '')[:80]!r}: {r!r}")
             out.append(ReferenceAnswer(r.final_answer or "", r.num_model_tokens))
         return out
+
+    def pregenerate_references(self, items: Sequence[MixItem], fresh: bool) -> int:
+        """rollout_engines: answer every prompt the run will use now (fresh run), or check the cache holds
+        them all (resumed run); afterwards a missing prompt is an error. Returns the prompts generated."""
+        before = self.references.generated
+        if fresh:
+            self.references.get([it.messages for it in items])
+        self.references_frozen = True
+        if not fresh:
+            self.references.get([it.messages for it in items])  # raises if any is missing
+        return self.references.generated - before
 
     def reference_answers(self, items: Sequence[MixItem]) -> list[ReferenceAnswer]:
         """The frozen reference model's answer to each item (generated once per prompt, cached on disk)."""
