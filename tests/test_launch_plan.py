@@ -39,10 +39,17 @@ def test_engine_spanning_two_nodes():
     assert p.engine_urls() == ["http://n1:30000", "http://n3:30000"]
 
 
-def test_several_engines_per_node_get_distinct_ports():
+def test_several_engines_per_node_get_distinct_ports_and_disjoint_gpus():
     p = plan_for(["rollout.sglang.tp=2", "rollout.sglang.ep=2"], "n[1-2]")
-    assert [(e.node, e.port) for e in p.engines] == [("n1", 30000), ("n1", 30001), ("n1", 30002), ("n1", 30003),
-                                                      ("n2", 30000), ("n2", 30001), ("n2", 30002), ("n2", 30003)]
+    # an SGLang server takes a few ports after its HTTP one: engines on a node are 10 ports apart
+    assert [(e.node, e.port) for e in p.engines] == [("n1", 30000), ("n1", 30010), ("n1", 30020), ("n1", 30030),
+                                                      ("n2", 30000), ("n2", 30010), ("n2", 30020), ("n2", 30030)]
+    for node in ("n1", "n2"):  # 8 GPUs, TP2 engines: GPUs {0,1}, {2,3}, {4,5}, {6,7}
+        gpus = []
+        for e in (e for e in p.engines if e.node == node):
+            base = int(e.argv[e.argv.index("--base-gpu-id") + 1]) if "--base-gpu-id" in e.argv else 0
+            gpus.append(set(range(base, base + 2)))
+        assert gpus == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
 
 
 def test_bad_split_is_refused():

@@ -30,6 +30,9 @@ def test_launch_line_carries_the_flags_this_project_needs():
     plain = sglang_command(load_config(None, ["rollout.sglang.enable_memory_saver=false"]).rollout.sglang,
                            "/m", 1, routing_replay=False)
     assert "--enable-return-routed-experts" not in plain and "--enable-memory-saver" not in plain
+    assert "--base-gpu-id" not in plain  # the first engine on a node starts at GPU 0
+    second = sglang_command(cfg.rollout.sglang, "/m", 30010, routing_replay=False, base_gpu_id=8)
+    assert second[second.index("--base-gpu-id") + 1] == "8"
 
 
 def test_routed_experts_wire_format():

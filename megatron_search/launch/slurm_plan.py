@@ -46,7 +46,8 @@ class LaunchPlan:
         return [f"http://{addr_of(e.node)}:{e.port}" for e in self.engines if e.serves]
 
 
-def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str) -> list[str]:
+def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str,
+                base_gpu_id: int = 0) -> list[str]:
     """argv of one SGLang server process for the cluster: rollout/sglang.py's command, reachable from
     the training nodes (0.0.0.0 on the cluster's private network), spread over `nnodes` nodes, and
     with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync)."""
@@ -55,7 +56,8 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     sg = cfg.rollout.sglang.model_copy(update={
         "host": "0.0.0.0", "enable_memory_saver": colocated and cfg.rollout.sglang.enable_memory_saver})
-    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed)
+    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed,
+                          base_gpu_id=base_gpu_id)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
@@ -109,10 +111,13 @@ def make_launch_plan(
                     argv = sglang_argv(cfg, model, port, span, rank, f"{group[0]}:{port + 1000}")
                     plan.engines.append(Engine(node, port, argv, serves=rank == 0))
         else:
-            for node in serve_nodes:
+            from megatron_search.rollout.sglang import ENGINE_PORT_STRIDE
+
+            for node in serve_nodes:  # engines sharing a node: disjoint GPUs and port ranges
                 for j in range(per_node // gpus_per_engine):
-                    argv = sglang_argv(cfg, model, port + j, 1, 0, "")
-                    plan.engines.append(Engine(node, port + j, argv))
+                    p = port + ENGINE_PORT_STRIDE * j
+                    argv = sglang_argv(cfg, model, p, 1, 0, "", base_gpu_id=j * gpus_per_engine)
+                    plan.engines.append(Engine(node, p, argv))
     extra = []
     if plan.engines:
         extra.append("rollout.engine_urls=[" + ",".join(plan.engine_urls()) + "]")

@@ -309,11 +309,15 @@ class ServerProcess:
         self.stop()
 
 
+ENGINE_PORT_STRIDE = 10  # an SGLang server takes a few ports after its HTTP one
+
+
 def sglang_command(
     sg, model_path: str, port: int, routing_replay: bool, seed: int = 0,
-    weight_version: str = "default", skip_tokenizer_init: bool = True,
+    weight_version: str = "default", skip_tokenizer_init: bool = True, base_gpu_id: int = 0,
 ) -> list[str]:
-    """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`."""
+    """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`; engines that share a node
+    pass disjoint `base_gpu_id`s (the server uses GPUs base_gpu_id .. base_gpu_id + TP x DP - 1)."""
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path,
@@ -332,6 +336,8 @@ def sglang_command(
         argv.append("--enable-return-routed-experts")
     if sg.context_length:
         argv += ["--context-length", str(sg.context_length)]
+    if base_gpu_id:
+        argv += ["--base-gpu-id", str(base_gpu_id)]
     return argv + list(sg.extra_args)
 
 
@@ -346,14 +352,14 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
     servers = []
     try:
-        for i in range(cfg.rollout.num_engines):
-            port = sg.base_port + 10 * i  # SGLang takes a few ports after the HTTP one
+        for i in range(cfg.rollout.num_engines):  # all on this host: each on its own GPUs
+            port = sg.base_port + ENGINE_PORT_STRIDE * i
             argv = sglang_command(sg, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
-                                  skip_tokenizer_init=sg.skip_tokenizer_init)
+                                  skip_tokenizer_init=sg.skip_tokenizer_init, base_gpu_id=i * sg.tp * sg.dp)
             server = ServerProcess(argv, Path(output_dir) / sg.log_dir / f"server_{i}.log", env)
             servers.append(server)
         for i, server in enumerate(servers):
-            server.wait_healthy(f"http://{sg.host}:{sg.base_port + 10 * i}", sg.startup_timeout_s)
+            server.wait_healthy(f"http://{sg.host}:{sg.base_port + ENGINE_PORT_STRIDE * i}", sg.startup_timeout_s)
     except BaseException:
         for s in servers:
             s.stop()
