@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = {"tp2_pp2": (2, 2, 1), "ep2_pp2": (1, 2, 2)}
-MODES = {  # name: (WeightSync mode, colocated)
-    "colocated_tensor": ("tensor", True),
-    "disaggregated_distributed": ("distributed", False),
-    "disaggregated_disk": ("disk", False),
-}
 RANK_NODE = [0, 0, 1, 1]
-ENGINE_NODE = [0, 1]
+MODES = {  # name: (WeightSync mode, node of each engine; None = disaggregated)
+    "colocated_tensor": ("tensor", [0, 1]),
+    "colocated_shared_node": ("tensor", [0, 0]),  # both engines on node 0: one destination, two hand-offs
+    "disaggregated_distributed": ("distributed", None),
+    "disaggregated_disk": ("disk", None),
+}
 SKIP = ".visual."  # the vision tower is not trained, so the sync never carries it
 
 
@@ -66,11 +66,11 @@ def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
         ctx = init_distributed(cfg)
         chunks = [build_model(cfg)]
         arch = cfg.model.architecture
-        for name, (mode, colocated) in MODES.items():
+        for name, (mode, engine_node) in MODES.items():
             clients = [SGLangClient(u) for u in urls]
             sync = WeightSync(clients, mode=mode, bucket_bytes=bucket_bytes, rank_node=RANK_NODE,
-                              engine_node=ENGINE_NODE if colocated else None, disk_dir=f"{work}/disk_{lay}",
-                              inflight="finish" if colocated else "abort")
+                              engine_node=engine_node, disk_dir=f"{work}/disk_{lay}",
+                              inflight="finish" if engine_node else "abort")
             for step in range(2):
                 with torch.no_grad():  # a new policy: every parameter changes, identically on every replica
                     for p in chunks[0].parameters():

@@ -51,6 +51,8 @@ def test_every_engine_holds_the_trainers_weights_after_every_push(results):
 
 def test_no_rank_is_a_funnel_and_rounds_stay_within_two_buckets(results, capsys):
     for tag, r in results.items():
+        if "shared_node" in tag:  # only node 0's two ranks feed (both engines): checked for bitwise equality only
+            continue
         sent = r["rank_sent_bytes"]
         mean = sum(sent) / len(sent)
         with capsys.disabled():

@@ -102,7 +102,7 @@ def _estimate(name: str, plan: SendPlan, rank_node: list[int], engine_node: list
                 nvl[src] += b
         dest = plan.destinations[a.dest]
         if ipc_delivery:
-            nvl[a.sender] += p.hf_bytes
+            nvl[a.sender] += p.hf_bytes * dest.fanout  # one IPC hand-off per engine on the node
         else:
             nic_out[a.sender] += p.hf_bytes * dest.fanout
             if engine_node is not None:

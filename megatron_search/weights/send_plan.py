@@ -202,13 +202,16 @@ def funnel_plan(params: Sequence[ParamShards], world: int, dst_rank: int, bucket
 
 
 def colocated_destinations(rank_node: Sequence[int], engine_node: Sequence[int]) -> list[Destination]:
-    """One destination per engine, fed only by the training ranks on the engine's node."""
+    """One destination per node that hosts engines, fed only by that node's training ranks. Engines sharing
+    a node share the destination: each tensor is assembled once there and handed to each of them (fanout),
+    so the node pulls its missing shards once, not once per engine."""
     out = []
-    for e, node in enumerate(engine_node):
+    for node in sorted(set(engine_node)):
+        engines = tuple(e for e, n in enumerate(engine_node) if n == node)
         ranks = tuple(r for r, n in enumerate(rank_node) if n == node)
         if not ranks:
-            raise SendPlanError(f"colocated engine {e} is on node {node}, where no training rank runs")
-        out.append(Destination(f"engine{e}@node{node}", (e,), ranks))
+            raise SendPlanError(f"colocated engine(s) {list(engines)} on node {node}, where no training rank runs")
+        out.append(Destination(f"node{node}", engines, ranks, fanout=len(engines)))
     return out
 
 
