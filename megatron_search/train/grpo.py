@@ -3,7 +3,10 @@
 Per step: sample prompts from the 90/10 mix, roll out G episodes each through the search agent,
 score them (r_base, preference s against the reference answer, anchored penalties, gated R),
 compute group advantages, train the policy with the token-IS loss, push the new weights to the
-engines. The first training rank drives the engines (train/grpo_driver.py); every rank trains.
+engines. The first training rank drives the engines (train/grpo_driver.py); every rank trains, and
+every rank pushes the weights it owns (train/grpo_sync.py). Colocated, the engines and the trainer
+take turns on the memory (train/grpo_colocate.py); each data-parallel replica receives only its
+slice of the batch (train/batch_scatter.py).
 
 Groups that carry no signal (every rollout got the same reward, so every advantage is 0; this
 includes groups whose rollouts all failed) are left out of the training batch: they would add
@@ -30,11 +33,11 @@ from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.local import LocalEngine
 from megatron_search.rollout.sglang import SGLangClient
 
+from .batch_scatter import BatchScatter
+from .grpo_colocate import ColocatedCycle
 from .grpo_data import build_mix_sampler
 from .grpo_driver import RolloutDriver
 from .grpo_metrics import rollout_metrics
-from .batch_scatter import BatchScatter
-from .grpo_colocate import ColocatedCycle
 from .grpo_preference import build_preference
 from .grpo_sync import build_weight_sync, save_hf_weights
 from .init_weights import load_model_weights
