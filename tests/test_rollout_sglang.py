@@ -114,3 +114,11 @@ def test_server_that_dies_reports_its_log(tmp_path):
     with pytest.raises(EngineError, match="exited with code 3(.|\n)*boom: no GPU"):
         server.wait_healthy("http://127.0.0.1:9", timeout_s=30)
     server.stop()
+
+
+def test_colocated_sglang_without_memory_saver_is_refused():
+    from megatron_search.config import ConfigError
+
+    with pytest.raises(ConfigError, match="enable_memory_saver: colocated engines release their memory"):
+        load_config(None, ["rollout.engine=sglang", "rollout.mode=colocated", "rollout.sglang.enable_memory_saver=false"])
+    load_config(None, ["rollout.engine=sglang", "rollout.mode=disaggregated", "rollout.sglang.enable_memory_saver=false"])

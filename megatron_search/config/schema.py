@@ -149,6 +149,9 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
     if r.mode == "colocated" and sync == "distributed":
         out.append("rollout.weight_sync: 'distributed' broadcasts to engines on other nodes; colocated engines take "
                    "'tensor' (or 'disk') from their own node's ranks")
+    if r.engine == "sglang" and r.mode == "colocated" and not r.sglang.enable_memory_saver:
+        out.append("rollout.sglang.enable_memory_saver: colocated engines release their memory while the policy "
+                   "trains (release_memory_occupation), which SGLang supports only with the memory saver on")
     if r.engine == "sglang" and r.mode == "disaggregated" and sync == "tensor":
         out.append("rollout.weight_sync: SGLang's /update_weights_from_tensor carries CUDA IPC handles, which open only "
                    "on the sender's node; disaggregated engines need 'distributed' or 'disk'")
