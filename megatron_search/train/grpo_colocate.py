@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .offload import StateOffloader
@@ -44,28 +45,25 @@ class ColocatedCycle:
         self.metrics = {}
         if not self.enabled:
             return
-        t0 = time.perf_counter()
-        self.offloader.offload()  # what is still resident: the parameters after a sync, all of it at the start
-        self.metrics["time/offload_s"] = time.perf_counter() - t0
+        with self._timed("time/offload_s"):
+            self.offloader.offload()  # what is still resident: the parameters after a sync, all of it at the start
         self._record(step, "rollout")
 
     def to_scoring(self, step: int) -> None:
         """Rollouts and references done (every rank, before the reward model scores): the engines release."""
         if not self.enabled:
             return
-        t0 = time.perf_counter()
-        self._engines("release_memory_occupation", ["weights", "kv_cache"])
+        with self._timed("time/release_s"):
+            self._engines("release_memory_occupation", ["weights", "kv_cache"])
         self.released = True
-        self.metrics["time/release_s"] = time.perf_counter() - t0
         self._record(step, "scoring")
 
     def to_train(self, step: int) -> None:
         """Before the policy step: the trainer's state returns."""
         if not self.enabled:
             return
-        t0 = time.perf_counter()
-        self.offloader.reload()
-        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t0
+        with self._timed("time/offload_s"):
+            self.offloader.reload()
         self._record(step, "train")
 
     def to_sync(self, step: int) -> None:
@@ -73,14 +71,12 @@ class ColocatedCycle:
         exporter reads them), and the engines' weight memory comes back (the push fills it)."""
         if not self.enabled:
             return
-        t0 = time.perf_counter()
-        self.offloader.offload(("grads", "optimizer"))
-        self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
-        self.metrics["time/offload_s"] = self.metrics.get("time/offload_s", 0.0) + time.perf_counter() - t0
+        with self._timed("time/offload_s"):
+            self.offloader.offload(("grads", "optimizer"))
+            self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
         if self.released:
-            t0 = time.perf_counter()
-            self._engines("resume_memory_occupation", ["weights"])
-            self.metrics["time/resume_s"] = time.perf_counter() - t0
+            with self._timed("time/resume_s"):
+                self._engines("resume_memory_occupation", ["weights"])
         self._record(step, "sync")
 
     def after_sync(self, step: int) -> None:
@@ -88,9 +84,8 @@ class ColocatedCycle:
         if not self.enabled:
             return
         if self.released:
-            t0 = time.perf_counter()
-            self._engines("resume_memory_occupation", ["kv_cache"])
-            self.metrics["time/resume_s"] = self.metrics.get("time/resume_s", 0.0) + time.perf_counter() - t0
+            with self._timed("time/resume_s"):
+                self._engines("resume_memory_occupation", ["kv_cache"])
             self.released = False
         self._record(step, "resumed")
 
@@ -100,6 +95,15 @@ class ColocatedCycle:
             self.offloader.reload()
 
     # ------------------------------------------------------------------ internals
+    @contextmanager
+    def _timed(self, key: str):
+        """Adds the block's seconds to this step's metric `key` (a phase may time several moves under one key)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
+
     def _engines(self, method: str, tags: list[str]) -> None:
         if not self.is_driver:
             return

@@ -15,7 +15,7 @@ around the phases that never touch the trainer, and `Trainer` refuses to step wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -147,7 +147,3 @@ def _bytes_view(storage: torch.UntypedStorage, n: int) -> torch.Tensor:
     t = torch.empty(0, dtype=torch.uint8, device=storage.device)
     t.set_(storage, 0, (n,))
     return t
-
-
-def total_bytes(items: Iterable[torch.Tensor]) -> int:
-    return sum(t.untyped_storage().nbytes() for t in items)

@@ -45,7 +45,6 @@ class PlanEntry:
     match: Match
     full_shape: tuple[int, ...]
     dtype: torch.dtype
-    owners: list[int]  # lowest global rank holding TP shard i
     shard_shapes: list[tuple[int, ...]]
     holders: list[list[int]]  # every global rank holding TP shard i (its data-parallel replicas)
     zero_centered: bool
@@ -125,8 +124,8 @@ class HFExporter:
             full = list(d["shapes"][0])
             if m.rule.tp.dim is not None:
                 full[m.rule.tp.dim] = sum(s[m.rule.tp.dim] for s in d["shapes"])
-            e = PlanEntry(name, m, tuple(full), getattr(torch, d["dtype"].split(".")[-1]), d["owners"],
-                          d["shapes"], d["holders"], d["zc"])
+            e = PlanEntry(name, m, tuple(full), getattr(torch, d["dtype"].split(".")[-1]), d["shapes"],
+                          d["holders"], d["zc"])
             e.hf = [(n, tuple(t.shape)) for n, t in
                     self.mapping.to_hf(m, torch.empty(e.full_shape, device="meta"), e.zero_centered)]
             entries.append(e)
@@ -159,10 +158,6 @@ class HFExporter:
         return [ParamShards(e.name, tuple(tuple(h) for h in e.holders),
                             tuple(_numel(s) * e.dtype.itemsize for s in e.shard_shapes), e.hf_bytes(self.out_dtype))
                 for e in self.entries]
-
-    def bucket_meta(self) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
-        """Names, shapes and dtypes of every bucket, known on every rank before any data moves."""
-        return [[(n, s, self.out_dtype or e.dtype) for e in b for n, s in e.hf] for b in self.buckets]
 
     @property
     def total_bytes(self) -> int:
