@@ -276,3 +276,47 @@ def test_requeued_run_resumes_only_from_an_existing_checkpoint(tmp_path):
     assert resume(0) == "[]"  # first run
     assert resume(1) == "[checkpoint.resume=true]"
     assert resume(2, "checkpoint.resume=true") == "[]"  # already asked for
+
+
+def test_engines_sharing_a_node_see_disjoint_gpus(cluster, tmp_path):
+    """The GRPO plan's SGLang engines started by slurm/lib.sh under Slurm: 2 nodes x 2 GPUs (gres), one
+    1-GPU engine per GPU. Each engine process (tests/slurm/probe records it) runs on its planned node,
+    sees the node's GPUs as Slurm exposes them to a step, and its --base-gpu-id picks a GPU no other
+    engine on that node uses; ports and sampling seeds differ per engine."""
+    import json
+
+    env = _job_env(cluster, tmp_path)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env.update(MS_REPO=str(REPO), MS_PROBE_DIR=str(probe))
+    log = tmp_path / "job.out"
+    job = _submit(env, "tests/slurm/engine_probe.sh", log, [
+        "--tasks-per-node", "1", "rollout.engine=sglang", "rollout.sglang.tp=1", "cluster.gpus_per_node=2",
+        "rollout.sglang.enable_memory_saver=true"])
+    try:
+        info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 180)
+    finally:
+        if _job(env, job).get("JobState") not in TERMINAL:
+            subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{_tail(log)}"
+    records = [json.loads(p.read_text()) for p in sorted(probe.glob("engine_*.json"))]
+    assert len(records) == 4, (sorted(p.name for p in probe.iterdir()), _tail(log))
+
+    def arg(r, flag, default=None):
+        return r["argv"][r["argv"].index(flag) + 1] if flag in r["argv"] else default
+
+    by_node: dict[str, list] = {}
+    for r in records:
+        by_node.setdefault(r["env"]["SLURMD_NODENAME"], []).append(r)
+    assert sorted(by_node) == ["n1", "n2"] and all(len(v) == 2 for v in by_node.values())
+    for node, rs in by_node.items():
+        gpus_used = []
+        for r in rs:
+            visible = r["env"]["CUDA_VISIBLE_DEVICES"].split(",")
+            assert len(visible) == 2, (node, r["env"])  # the step sees both of the node's GPUs
+            base, tp = int(arg(r, "--base-gpu-id", 0)), int(arg(r, "--tp-size"))
+            assert base + tp <= len(visible), (node, r["argv"])
+            gpus_used += visible[base:base + tp]
+        assert sorted(gpus_used) == ["0", "1"], (node, gpus_used)  # disjoint, and every GPU serves
+        assert len({arg(r, "--port") for r in rs}) == 2, node
+    assert len({arg(r, "--random-seed") for r in records}) == 4

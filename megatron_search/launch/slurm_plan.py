@@ -47,16 +47,18 @@ class LaunchPlan:
 
 
 def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str,
-                base_gpu_id: int = 0) -> list[str]:
+                base_gpu_id: int = 0, engine_index: int = 0) -> list[str]:
     """argv of one SGLang server process for the cluster: rollout/sglang.py's command, reachable from
     the training nodes (0.0.0.0 on the cluster's private network), spread over `nnodes` nodes, and
-    with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync)."""
+    with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync).
+    Each engine samples with its own seed (run.seed + engine_index): the rollouts of one group are
+    spread over engines and must not repeat each other's random draws."""
     from megatron_search.rollout.sglang import sglang_command
 
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     sg = cfg.rollout.sglang.model_copy(update={
         "host": "0.0.0.0", "enable_memory_saver": colocated and cfg.rollout.sglang.enable_memory_saver})
-    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed,
+    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed + engine_index,
                           base_gpu_id=base_gpu_id)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
@@ -108,15 +110,18 @@ def make_launch_plan(
             for i in range(0, len(serve_nodes), span):
                 group = serve_nodes[i : i + span]
                 for rank, node in enumerate(group):
-                    argv = sglang_argv(cfg, model, port, span, rank, f"{group[0]}:{port + 1000}")
+                    argv = sglang_argv(cfg, model, port, span, rank, f"{group[0]}:{port + 1000}",
+                                       engine_index=i // span)
                     plan.engines.append(Engine(node, port, argv, serves=rank == 0))
         else:
             from megatron_search.rollout.sglang import ENGINE_PORT_STRIDE
 
-            for node in serve_nodes:  # engines sharing a node: disjoint GPUs and port ranges
-                for j in range(per_node // gpus_per_engine):
+            per_node_engines = per_node // gpus_per_engine
+            for n, node in enumerate(serve_nodes):  # engines sharing a node: disjoint GPUs and port ranges
+                for j in range(per_node_engines):
                     p = port + ENGINE_PORT_STRIDE * j
-                    argv = sglang_argv(cfg, model, p, 1, 0, "", base_gpu_id=j * gpus_per_engine)
+                    argv = sglang_argv(cfg, model, p, 1, 0, "", base_gpu_id=j * gpus_per_engine,
+                                       engine_index=n * per_node_engines + j)
                     plan.engines.append(Engine(node, p, argv))
     extra = []
     if plan.engines:

@@ -27,8 +27,19 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! comm
   apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
 fi
 
-mkdir -p "$dir"/{pids,log,state,spool,munge}
+mkdir -p "$dir"/{pids,log,state,spool,munge,dev}
 host=$(hostname -s)
+# Each node declares 2 GPUs as generic resources (gres/gpu) backed by null devices: nothing uses them
+# as devices (no cgroup device constraint), but Slurm allocates them and sets CUDA_VISIBLE_DEVICES for
+# every step as on a GPU cluster, which is what the engine-placement test reads.
+gpus=2
+for n in n1 n2; do for ((g = 0; g < gpus; g++)); do
+  [ -c "$dir/dev/${n}_gpu$g" ] || mknod "$dir/dev/${n}_gpu$g" c 1 3  # character devices, as slurmd requires (= /dev/null)
+done; done
+cat > "$dir/gres.conf" <<CONF
+NodeName=n1 Name=gpu File=$dir/dev/n1_gpu[0-$((gpus - 1))]
+NodeName=n2 Name=gpu File=$dir/dev/n2_gpu[0-$((gpus - 1))]
+CONF
 # Munge: private key, socket and pid; run as root with --force (this is a throwaway test cluster).
 if [ ! -f "$dir/munge/munge.key" ]; then
   dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
@@ -68,8 +79,9 @@ JobCompType=jobcomp/none
 KillWait=10
 InactiveLimit=0
 MinJobAge=600
-NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base_port + 2)) CPUs=2 RealMemory=8000 State=UNKNOWN
-NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base_port + 3)) CPUs=2 RealMemory=8000 State=UNKNOWN
+GresTypes=gpu
+NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base_port + 2)) CPUs=2 RealMemory=8000 Gres=gpu:$gpus State=UNKNOWN
+NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base_port + 3)) CPUs=2 RealMemory=8000 Gres=gpu:$gpus State=UNKNOWN
 PartitionName=local Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
 export SLURM_CONF="$dir/slurm.conf"
