@@ -102,3 +102,53 @@ def test_every_shipped_config_loads():
 
     for path in glob.glob("configs/*.yaml"):
         assert isinstance(load_config(path), Config)
+
+
+def _qwen35_with_mtp(tmp_path, layers: int) -> str:
+    raw = json.loads(open("configs/models/tiny_qwen3_5_moe/config.json").read())
+    raw["text_config"]["mtp_num_hidden_layers"] = layers
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return f"model.hf_config={tmp_path}"
+
+
+def test_mtp_needs_exactly_one_mtp_layer_in_the_model(tmp_path):
+    (p,) = problems(TINY35, "model.mtp=true")  # the shipped tiny config has no MTP layer
+    assert p.startswith("model.mtp:") and "mtp_num_hidden_layers=0" in p
+    (p,) = problems("model.mtp=true")  # Qwen3-MoE has none either
+    assert p.startswith("model.mtp:")
+    (p,) = problems(_qwen35_with_mtp(tmp_path, 2), "model.mtp=true")
+    assert p.startswith("model.mtp: mtp_num_hidden_layers=2") and "exactly one" in p
+    cfg = load_config(None, [_qwen35_with_mtp(tmp_path, 1), "model.mtp=true"])
+    assert cfg.model.architecture.mtp_num_layers == 1 and cfg.model.mtp_loss_scaling_factor == 0.1
+
+
+def test_mtp_settings_reach_the_transformer_config(tmp_path):
+    from megatron_search.models.provider import transformer_config_from_hf
+
+    c = transformer_config_from_hf(load_config(None, [_qwen35_with_mtp(tmp_path, 1), "model.mtp=true",
+                                                      "model.mtp_loss_scaling_factor=0.3"]))
+    assert c.mtp_num_layers == 1 and c.mtp_loss_scaling_factor == 0.3
+    off = transformer_config_from_hf(load_config(None, [_qwen35_with_mtp(tmp_path, 1)]))
+    assert off.mtp_num_layers is None  # model.mtp=false: no MTP block even though the checkpoint has one
+
+
+@pytest.mark.parametrize("arch", ["tiny_qwen3_moe", "tiny_qwen3_5_moe"])
+def test_router_loss_coefficients_come_from_our_config_only(tmp_path, arch):
+    """The HF config's router_aux_loss_coef (0.001 in Qwen3-30B-A3B's and Qwen3.5's) must not reach RL
+    (Megatron-LM #5694: inherited, it multiplied a peer's grad norm 3.4x); nor a z-loss key."""
+    from megatron_search.models.provider import transformer_config_from_hf
+
+    raw = json.loads(open(f"configs/models/{arch}/config.json").read())
+    text = raw.get("text_config", raw)
+    text["router_aux_loss_coef"] = 0.001
+    text["router_z_loss_coef"] = 0.001
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    c = transformer_config_from_hf(load_config(None, [f"model.hf_config={tmp_path}"]))
+    assert c.moe_aux_loss_coeff == 0.0 and c.moe_router_load_balancing_type == "none"
+    assert c.moe_z_loss_coeff is None  # Megatron's "off"
+    c = transformer_config_from_hf(load_config(None, [f"model.hf_config={tmp_path}", "model.moe_aux_loss_coeff=0.01",
+                                                      "model.moe_z_loss_coeff=0.002"]))
+    assert c.moe_aux_loss_coeff == 0.01 and c.moe_router_load_balancing_type == "aux_loss"
+    assert c.moe_z_loss_coeff == 0.002
+    assert "moe_z_loss_coeff: Input should be greater than or equal to 0" in problems(
+        f"model.hf_config={tmp_path}", "model.moe_z_loss_coeff=-1")[0]

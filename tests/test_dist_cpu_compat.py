@@ -113,3 +113,15 @@ def test_cuda_type_names_only_inside_optimizer_construction():
         assert t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
         assert t.type(torch.float64).dtype == torch.float64  # conversions unchanged
     assert t.type() == "torch.FloatTensor"
+
+
+def test_tensor_cuda_stays_on_cpu_only_while_the_embedding_copy_is_set_up():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    cpu_compat.enable_cpu_compat()
+    assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_megatron_search_cpu_compat", False)
+    t = torch.zeros(2)
+    with cpu_compat._tensor_cuda_stays_on_cpu():
+        assert t.cuda() is t
+    with pytest.raises((AssertionError, RuntimeError)):  # outside: the real method (no CUDA here)
+        t.cuda()

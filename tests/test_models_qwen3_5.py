@@ -46,11 +46,18 @@ def test_transformer_config_fields():
     assert gpt["share_embeddings_and_output_weights"] is False
 
 
-def test_mtp_requested_without_mtp_layers_is_an_error():
+def test_mtp_requested_without_mtp_layers_is_an_error(tmp_path):
+    from megatron_search.config.loader import ConfigError
     from megatron_search.models import qwen3_5
 
-    with pytest.raises(ProviderError, match="mtp"):
-        qwen3_5.transformer_config_kwargs(_cfg(mtp=True), _hf_raw(), "tiny", use_te=False)
+    with pytest.raises(ConfigError, match="model.mtp"):  # refused when the config is built
+        _cfg(mtp=True)
+    raw = _hf_raw()
+    raw["text_config"]["mtp_num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = config_from_dict({"model": {"hf_config": str(tmp_path), "mtp": True}})
+    with pytest.raises(ProviderError, match="mtp"):  # and by the provider, handed a config.json without MTP
+        qwen3_5.transformer_config_kwargs(cfg, _hf_raw(), "tiny", use_te=False)
 
 
 def test_context_parallel_refused_on_megatron_without_gdn_cp():

@@ -146,14 +146,15 @@ def test_pair_metrics_and_sbs_by_hand():
 
 
 def test_reference_cache_generates_each_prompt_once_and_persists(tmp_path):
-    from megatron_search.rm.service import ReferenceCache
+    from megatron_search.rm.service import ReferenceCache, prompt_key
     from megatron_search.train.scoring import ReferenceAnswer
 
     calls = []
 
-    def gen(prompts):
+    def gen(prompts, samples):
         calls.append([p[0]["content"] for p in prompts])
-        return [ReferenceAnswer(f"ref:{p[0]['content']}", len(p[0]["content"])) for p in prompts]
+        return [ReferenceAnswer(f"ref:{p[0]['content']}" + (f"#{k}" if k else ""), len(p[0]["content"]) + k)
+                for p, k in zip(prompts, samples)]
 
     path = tmp_path / "refs.jsonl"
     cache = ReferenceCache(path, gen)
@@ -165,4 +166,19 @@ def test_reference_cache_generates_each_prompt_once_and_persists(tmp_path):
     again = ReferenceCache(path, gen)  # a new process reads the file: nothing regenerated
     assert [r.generated_tokens for r in again.get([q("ccc"), q("a")])] == [3, 1] and len(calls) == 2
     with pytest.raises(ValueError, match="2 answers for 1 prompts"):
-        ReferenceCache(tmp_path / "x.jsonl", lambda ps: [ReferenceAnswer("a", 1)] * 2).get([q("z")])
+        ReferenceCache(tmp_path / "x.jsonl", lambda ps, ks: [ReferenceAnswer("a", 1)] * 2).get([q("z")])
+    # One reference per rollout: sample k of a prompt is its own answer, generated once, persisted with k.
+    calls.clear()
+    got = cache.get([q("a"), q("a"), q("a")], samples=[0, 1, 2])
+    assert [r.answer for r in got] == ["ref:a", "ref:a#1", "ref:a#2"] and calls == [["a", "a"]]
+    assert [r.generated_tokens for r in ReferenceCache(path, gen).get([q("a")], samples=[2])] == [3]
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="2 prompts, 1 sample indices"):
+        cache.get([q("a"), q("b")], samples=[0])
+    # A record written before sample indices existed is sample 0; a malformed one names file and line.
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text('{"key": "%s", "answer": "old", "generated_tokens": 4}\n' % prompt_key(q("a")))
+    assert ReferenceCache(legacy, gen).get([q("a")])[0] == ReferenceAnswer("old", 4)
+    legacy.write_text('{"key": "k", "sample": -1, "answer": "x", "generated_tokens": 1}\n')
+    with pytest.raises(ValueError, match=r"legacy.jsonl:1: not a reference-answer record"):
+        ReferenceCache(legacy, gen)

@@ -74,4 +74,4 @@ def test_reference_answers_from_the_agent_once_per_prompt(tmp_path):
     assert refs[0].generated_tokens == len(tok.encode("Paris.<|im_end|>"))
     assert len(engine.requests) == 2
     assert [r.answer for r in cache.get([it])] == ["Rome."] and len(engine.requests) == 2
-    assert [r.answer for r in ReferenceCache(tmp_path / "refs.jsonl", lambda p: []).get([it, fr])] == ["Rome.", "Paris."]
+    assert [r.answer for r in ReferenceCache(tmp_path / "refs.jsonl", lambda p, k: []).get([it, fr])] == ["Rome.", "Paris."]

@@ -1,5 +1,6 @@
 """GRPO end to end on CPU (gloo): rollouts through the agent loop on the in-process engine, the trained
 reward model for s, token-IS updates, weight sync; at 1 process and at TP=2 (sequence parallel) / EP=2."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -86,11 +87,16 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
                ("refs_on_rollout", ["grpo.reference_source=rollout_engines"])]
     run_spawned(grpo_worker, 1, layouts, fx, str(tmp_path))
     # reference answers from the rollout engines: every prompt of the run (2 steps x 2 prompts) answered at
-    # step 0, before the first update; no rank-0 reference engine, no reference checkpoint
+    # step 0, before the first update, G = 2 times each (rollout k of a group is compared with sample k);
+    # no rank-0 reference engine, no reference checkpoint
     refs = tmp_path / "refs_on_rollout"
     pre = scalars(refs, "references/pregenerated")
-    cached = (refs / "reference_answers.jsonl").read_text().splitlines()
-    assert pre and 1 <= pre[0] == len(cached) <= 4, (pre, len(cached))
+    cached = [json.loads(line) for line in (refs / "reference_answers.jsonl").read_text().splitlines()]
+    assert pre and 2 <= pre[0] == len(cached) <= 8, (pre, len(cached))
+    per_prompt: dict = {}
+    for r in cached:
+        per_prompt.setdefault(r["key"], set()).add(r["sample"])
+    assert all(samples == {0, 1} for samples in per_prompt.values()), per_prompt
     assert len(scalars(refs, "reward/mean")) == 2 and not (refs / "reference_weights").exists()
     check_run(tmp_path / "single", 2)
     saved = sorted(p.name for p in (tmp_path / "single" / "checkpoints").glob("step_*"))

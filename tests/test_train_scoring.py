@@ -53,3 +53,26 @@ def test_missing_answer_scores_zero_and_unjudgeable_rubric_is_an_error():
     judged = score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact",
                             judge=lambda rubric, answer: True)
     assert judged.r_base.tolist() == [1]
+
+
+def test_each_rollout_is_anchored_on_its_own_reference_and_every_length_branch_fires():
+    """One reference answer per rollout (rollout k vs reference sample k): the group's reference lengths
+    differ, so the verbose-winner branch can fire (with one shared reference it never could: a winner
+    longer than the reference was always above the hard cap)."""
+    from megatron_search.rewards.length_penalty import anchored_length_penalty
+
+    qa = MixItem("q", "qa", "qa", [{"role": "user", "content": "Who wrote X?"}], answers=["Ada"])
+    rollouts = [ro("Ada", 12), ro("Ada", 6), ro("Bob", 4), ro("Bob", 20)]
+    refs = [ReferenceAnswer("Ada", 8), ReferenceAnswer("Ada", 12), ReferenceAnswer("Ada", 10), ReferenceAnswer("Ada", 6)]
+    s = score_rollouts([qa] * 4, rollouts, [0] * 4, refs, torch.tensor([0.9, 0.8, 0.5, 0.5]), "exact")
+    assert s.ref_lengths.tolist() == [8, 12, 10, 6]
+    pen = anchored_length_penalty(s.lengths, s.ref_lengths, s.r_base, s.s, s.group_ids, dtype=torch.float64)
+    # Winners 0, 1: b_win = (8 + 12) / 2 = 10; losers 2, 3: b_lose = (10 + 6) / 2 = 8; cap = max ref = 12.
+    import math
+
+    want = [1 - math.exp(-(12 / 10 - 1)),  # verbose winner, 12 <= cap
+            0.0,  # a winner shorter than b_win
+            1 - math.exp(-(8 / 4 - 1)),  # terse loser
+            1.0]  # 20 > cap 12: hard cap
+    assert pen.penalty.tolist() == pytest.approx(want, rel=1e-12, abs=0)
+    assert pen.capped.tolist() == [False, False, False, True]

@@ -31,15 +31,41 @@ class ModelConfig(Section):
         "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
     )
     recompute: Literal["none", "selective", "full"] = "none"
-    mtp: bool = Field(False, description="build the multi-token-prediction layers when the model has them")
+    recompute_modules: Optional[list[Literal["core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts"]]] = Field(
+        None, description="with recompute=selective, the modules recomputed (Megatron's recompute_modules; None = its "
+        "default, core_attn); 'moe' recomputes the router too, where routing replay replays the engine's experts"
+    )
+    mtp: bool = Field(
+        False, description="build the model's multi-token-prediction layer (Qwen3.5, HF mtp.*; needs "
+        "mtp_num_hidden_layers=1 in the config.json): loaded, exported and synced with the rest of the model; "
+        "SFT trains it (cross entropy of token t+2 under the same loss mask, weighted by mtp_loss_scaling_factor); "
+        "GRPO keeps it frozen and out of the RL loss (train/grpo.py). Off: HF mtp.* tensors are carried "
+        "through conversion unchanged and never synced")
+    mtp_loss_scaling_factor: float = Field(
+        0.1, ge=0.0, description="weight of the MTP loss added to the SFT loss (Megatron's "
+        "mtp_loss_scaling_factor, whose default 0.1 this is); used only with model.mtp")
     seed: int = 1234
-    # MoE build choices (RECIPE section 1 models; the write-up names no load-balancing loss).
+    # MoE router losses: set here only. The HF config's router_aux_loss_coef (0.001 in the Qwen3 / Qwen3.5
+    # configs) is a pre-training value and is never read: inherited into RL it multiplied the grad norm
+    # 3.4x for a peer (Megatron-LM #5694). The RECIPE write-up names no router loss for RL.
     moe_aux_loss_coeff: float = Field(
-        0.0, ge=0.0, description="Megatron aux load-balancing loss coefficient; 0 = no aux loss (default)"
+        0.0, ge=0.0, description="Megatron aux load-balancing loss coefficient; 0 = no aux loss (RL default); "
+        "never taken from the HF config's router_aux_loss_coef"
+    )
+    moe_z_loss_coeff: float = Field(
+        0.0, ge=0.0, description="Megatron router z-loss coefficient; 0 = no z-loss (RL default; passed to "
+        "Megatron as None, its 'off')"
     )
     moe_token_dispatcher: Literal["auto", "allgather", "alltoall", "flex"] = Field(
         "auto", description="auto: alltoall on GPU, allgather on CPU (alltoall needs CUDA streams)"
     )
+
+    @model_validator(mode="after")
+    def _recompute_modules_need_selective(self):
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError(f"model.recompute_modules: {self.recompute_modules} applies to recompute=selective only "
+                             f"(recompute={self.recompute!r})")
+        return self
 
     def resolved_hf_config(self) -> Path:
         p = Path(self.hf_config)

@@ -131,6 +131,14 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
             f"parallel.etp: with EP=1, expert tensor parallel must equal TP (got ETP={p.etp}, TP={p.tp}); "
             f"set parallel.etp={p.tp} or use EP>1"
         )
+    if cfg.model.mtp:
+        if arch.mtp_num_layers == 0:
+            out.append(f"model.mtp: {cfg.model.hf_config} has no multi-token-prediction layers "
+                       f"(mtp_num_hidden_layers=0); set model.mtp=false")
+        elif arch.mtp_num_layers != 1:
+            out.append(f"model.mtp: mtp_num_hidden_layers={arch.mtp_num_layers} in {cfg.model.hf_config}; Qwen3.5 "
+                       f"checkpoints hold one fc / pre-fc norm / norm set for their MTP module, which maps onto "
+                       f"exactly one Megatron MTP layer")
     if cfg.sft.seq_length % p.sequence_multiple:
         out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
                    f"splits the sequence over the TP ranks)")

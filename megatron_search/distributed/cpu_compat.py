@@ -24,7 +24,10 @@ reach into `torch.cuda.default_generators`), and `moe_utils.te_general_gemm`, wh
 undefined when Transformer Engine is missing although the router still tests it against None,
 and the optimizer's `clip_grad_by_total_norm_fp32`, which asserts that gradients are CUDA tensors.
 The bf16/fp16 and distributed optimizers' constructors run with CUDA-spelled `Tensor.type()` names
-(they dispatch on those strings).
+(they dispatch on those strings). `LanguageModule.setup_embeddings_and_output_layer` runs with
+`Tensor.cuda()` answering the CPU tensor itself: with PP > 1 it moves the duplicated word
+embedding of the last stage (tied output layer, or the MTP block's embedding) to CUDA before the
+all-reduce that copies the first stage's values into it.
 
 Modules loaded when `enable_cpu_compat()` runs are rebound at once (it first imports the modules a
 training step uses); Megatron modules imported later are rebound as they load, by a small import
@@ -234,6 +237,35 @@ def _construct_with_cuda_type_names(cls: type) -> None:
     cls.__init__ = __init__
 
 
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu():
+    """`Tensor.cuda()` returns the (CPU) tensor unchanged while the block runs; restored afterwards."""
+    original = torch.Tensor.cuda
+
+    def stay(self, device=None, non_blocking=False, memory_format=torch.preserve_format):  # noqa: ARG001
+        return self
+
+    torch.Tensor.cuda = stay
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _run_with_tensor_cuda_on_cpu(cls: type, method: str) -> None:
+    original = getattr(cls, method, None)
+    if original is None or getattr(original, "_megatron_search_cpu_compat", False):
+        return
+
+    @functools.wraps(original)
+    def wrapped(self, *args, **kwargs):
+        with _tensor_cuda_stays_on_cpu():
+            return original(self, *args, **kwargs)
+
+    wrapped._megatron_search_cpu_compat = True
+    setattr(cls, method, wrapped)
+
+
 class _DropCpuRngWarning(logging.Filter):
     # On CPU the "CUDA" RNG *is* the CPU generator, so the tracker's check that forked code left the
     # CPU RNG alone always fires; the fork still restores the state correctly.
@@ -326,6 +358,9 @@ def enable_cpu_compat() -> bool:
         cls = getattr(sys.modules.get(modname), clsname, None)
         if cls is not None:
             _construct_with_cuda_type_names(cls)
+    language_module = sys.modules.get("megatron.core.models.common.language_module.language_module")
+    if language_module is not None and hasattr(language_module, "LanguageModule"):
+        _run_with_tensor_cuda_on_cpu(language_module.LanguageModule, "setup_embeddings_and_output_layer")
     for modname in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         mod = sys.modules.get(modname)
         if mod is not None and hasattr(mod, "clip_grad_by_total_norm_fp32"):

@@ -113,7 +113,12 @@ def forward_backward(
         b: Batch = next(data_iterator).to(next(model.parameters()).device)  # host until here
         s = b.tokens.shape[1]
         position_ids = torch.arange(s, device=b.tokens.device).unsqueeze(0).expand_as(b.tokens)
-        output = model(b.tokens, position_ids, None, labels=b.labels)
+        extra = {}
+        if getattr(getattr(model, "config", None), "mtp_num_layers", None):
+            # Megatron's MTP loss reads loss_mask (rolled by one): the MTP head trains on the tokens the
+            # main loss counts, not on prompts and padding (its default is every token).
+            extra["loss_mask"] = b.loss_mask
+        output = model(b.tokens, position_ids, None, labels=b.labels, **extra)
         return output, partial(loss_fn, batch=b)
 
     items = list(microbatches)
@@ -157,6 +162,24 @@ def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int,
     loss /= ps.get_data_parallel_world_size()
     coll.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
     return float(loss), float(grad_norm)
+
+
+def mtp_loss_of_step(num_microbatches: int) -> float:
+    """The MTP loss of the training forwards since the last call (Megatron's MTP loss tracker: masked
+    token-mean cross entropy of token t+2 per micro-batch, first MTP layer), averaged over micro-batches
+    and DP ranks and the same on every rank; the tracker is cleared. 0.0 when no MTP forward ran."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    loss = torch.zeros((), dtype=torch.float64)
+    if "values" in tracker:
+        loss += float(tracker["values"][0]) / num_microbatches
+        tracker["values"].zero_()
+    coll.all_reduce(loss, group=ps.get_data_parallel_group())
+    loss /= ps.get_data_parallel_world_size()
+    coll.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())  # only the last stage holds it
+    return float(loss)
 
 
 def data_parallel_slice(batch: Batch) -> Batch:

@@ -17,6 +17,13 @@ Transforms (`kind`):
   gated_qkv   Megatron [G*(2Q+2)*D, H] per group (q.., gate.., k, v) <-> HF q_proj rows per head
               [q_h; gate_h] (Qwen3.5 attention output gate), k, v
   concat      Megatron tensor is the HF tensors stacked along dim 0 (fc1 = [gate; up], GDN in_proj)
+
+MTP (Qwen3.5, `Mapping(..., mtp=True)` when the model builds its MTP block): HF `mtp.fc` is
+Megatron's `eh_proj` (same input order, [norm_e(embedding of token t+1), norm_h(hidden_t)], both
+column-parallel over TP), `mtp.pre_fc_norm_{embedding,hidden}` are `enorm` / `hnorm`, `mtp.norm` is
+`final_layernorm` (all zero-centred 1 + w), and `mtp.layers.0.*` is a gated-attention MoE decoder
+layer named like the main layers (its experts per-expert). The MTP head reuses the main embedding
+and output layer, so nothing else maps. With MTP off, HF `mtp.*` is carried through (passthrough).
 """
 from __future__ import annotations
 
@@ -125,7 +132,9 @@ class Rule:
 
 
 def _compile(pattern: str) -> re.Pattern:
-    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    rx = re.escape(pattern)
+    for key in "LEM":
+        rx = rx.replace(r"\{" + key + r"\}", rf"(?P<{key}>\d+)")
     return re.compile(rx + "$")
 
 
@@ -136,13 +145,12 @@ class Match:
     rule: Rule
     mcore_name: str
     hf_names: tuple[str, ...]
-    layer: Optional[int]
+    layer: Optional[int]  # global decoder layer; MTP layer k counts as num_layers + k (export order)
     expert: Optional[int]
 
 
-def _layer_rules(P: str, arch: Architecture) -> list[Rule]:
-    L = "decoder.layers.{L}."
-    H = P + "layers.{L}."
+def _layer_rules(L: str, H: str, arch: Architecture, linear_attention: bool) -> list[Rule]:
+    """One decoder layer: Megatron prefix `L`, HF prefix `H`; GDN rules only when `linear_attention`."""
     gated = arch.model_type == "qwen3_5_moe"
     rules = [
         Rule(
@@ -182,7 +190,7 @@ def _layer_rules(P: str, arch: Architecture) -> list[Rule]:
             Rule((L + "mlp.shared_experts.linear_fc2.weight",), (H + "mlp.shared_expert.down_proj.weight",), tp=ROW),
             Rule((L + "mlp.shared_experts.gate_weight",), (H + "mlp.shared_expert_gate.weight",)),
         ]
-    if arch.is_hybrid:
+    if arch.is_hybrid and linear_attention:
         G = H + "linear_attn."
         rules += [
             Rule(
@@ -206,28 +214,61 @@ def hf_prefix(arch: Architecture) -> str:
 
 # HF tensors the Megatron language model does not hold; conversion carries them through unchanged.
 PASSTHROUGH_PREFIXES = {"qwen3_moe": (), "qwen3_5_moe": ("model.visual.", "mtp.")}
+MTP_PREFIX = "mtp."
 
 
-def table(arch: Architecture) -> list[Rule]:
-    """The mapping table of one architecture."""
-    P = hf_prefix(arch)
-    gated = arch.model_type == "qwen3_5_moe"
+def _mtp_rules(arch: Architecture) -> list[Rule]:
+    """Qwen3.5's MTP module (one layer: HF keeps a single fc / pre-fc norms / norm set)."""
+    M = "mtp.layers.{M}."
     return [
-        Rule(("embedding.word_embeddings.weight",), (P + "embed_tokens.weight",), "vocab", COLUMN),
-        *_layer_rules(P, arch),
-        Rule(("decoder.final_layernorm.weight",), (P + "norm.weight",), "norm", hf_one_plus=gated),
-        Rule(("output_layer.weight",), ("lm_head.weight",), "vocab", COLUMN),
+        Rule((M + "enorm.weight",), ("mtp.pre_fc_norm_embedding.weight",), "norm", hf_one_plus=True),
+        Rule((M + "hnorm.weight",), ("mtp.pre_fc_norm_hidden.weight",), "norm", hf_one_plus=True),
+        # Both sides take [embedding; hidden] as input columns; the output rows shard over TP.
+        Rule((M + "eh_proj.weight",), ("mtp.fc.weight",), tp=COLUMN),
+        *_layer_rules(M + "transformer_layer.", "mtp.layers.{M}.", arch, linear_attention=False),
+        Rule((M + "final_layernorm.weight",), ("mtp.norm.weight",), "norm", hf_one_plus=True),
     ]
 
 
-class Mapping:
-    """The table of one architecture plus the transforms, in both directions."""
+def check_mtp_supported(arch: Architecture) -> None:
+    """Raise MappingError unless the architecture's MTP module can be mapped (Qwen3.5, one layer)."""
+    if arch.model_type != "qwen3_5_moe" or arch.mtp_num_layers == 0:
+        raise MappingError(f"{arch.model_type}: the config has no MTP layers (mtp_num_hidden_layers=0)")
+    if arch.mtp_num_layers != 1:
+        raise MappingError(
+            f"mtp_num_hidden_layers={arch.mtp_num_layers}: Qwen3.5 checkpoints hold one fc / pre-fc norm / norm set "
+            f"for their MTP module, which maps onto exactly one Megatron MTP layer"
+        )
 
-    def __init__(self, arch: Architecture, padded_vocab_size: Optional[int] = None):
+
+def table(arch: Architecture, mtp: bool = False) -> list[Rule]:
+    """The mapping table of one architecture (with the MTP rules when `mtp`)."""
+    P = hf_prefix(arch)
+    gated = arch.model_type == "qwen3_5_moe"
+    rules = [
+        Rule(("embedding.word_embeddings.weight",), (P + "embed_tokens.weight",), "vocab", COLUMN),
+        *_layer_rules("decoder.layers.{L}.", P + "layers.{L}.", arch, linear_attention=True),
+        Rule(("decoder.final_layernorm.weight",), (P + "norm.weight",), "norm", hf_one_plus=gated),
+    ]
+    if mtp:
+        check_mtp_supported(arch)
+        rules += _mtp_rules(arch)
+    return rules + [Rule(("output_layer.weight",), ("lm_head.weight",), "vocab", COLUMN)]
+
+
+class Mapping:
+    """The table of one architecture plus the transforms, in both directions.
+
+    `mtp`: the Megatron model builds its MTP block, so HF `mtp.*` is mapped instead of carried through.
+    """
+
+    def __init__(self, arch: Architecture, padded_vocab_size: Optional[int] = None, mtp: bool = False):
         self.arch = arch
+        self.mtp = mtp
         self.ctx = MappingContext(arch, padded_vocab_size or arch.vocab_size)
-        self.rules = table(arch)
-        self.passthrough = PASSTHROUGH_PREFIXES.get(arch.model_type, ())
+        self.rules = table(arch, mtp)
+        self.passthrough = tuple(p for p in PASSTHROUGH_PREFIXES.get(arch.model_type, ())
+                                 if not (mtp and p == MTP_PREFIX))
 
     def match(self, mcore_name: str) -> Match:
         for rule in self.rules:
@@ -235,10 +276,15 @@ class Mapping:
                 m = rx.match(mcore_name)
                 if m:
                     g = m.groupdict()
-                    L, E = g.get("L"), g.get("E")
-                    names = tuple(h.format(L=L, E=E) for h in rule.hf)
-                    return Match(rule, mcore_name, names, None if L is None else int(L), None if E is None else int(E))
-        raise MappingError(f"Megatron parameter {mcore_name!r} has no rule in the {self.arch.model_type} mapping table")
+                    L, E, M = g.get("L"), g.get("E"), g.get("M")
+                    names = tuple(h.format(L=L, E=E, M=M) for h in rule.hf)
+                    layer = int(L) if L is not None else (self.arch.num_layers + int(M) if M is not None else None)
+                    return Match(rule, mcore_name, names, layer, None if E is None else int(E))
+        hint = ""
+        if mcore_name.startswith(MTP_PREFIX) and not self.mtp:
+            hint = " (an MTP parameter: the mapping was built without mtp=True)"
+        raise MappingError(f"Megatron parameter {mcore_name!r} has no rule in the {self.arch.model_type} mapping "
+                           f"table{hint}")
 
     def is_passthrough(self, hf_name: str) -> bool:
         return any(hf_name.startswith(p) for p in self.passthrough)

@@ -7,8 +7,9 @@
 Architectures register in ARCHITECTURES (model_type -> module). An architecture module provides
 `transformer_config_kwargs(cfg, hf, where, use_te)`, `gpt_model_kwargs(hf, where)` and
 `layer_spec(config, use_te, vp_stage, pp_rank)`, and optionally `config_class` (a TransformerConfig
-subclass) and `model_class` (a GPTModel subclass). Model parallel state must be initialised
-first (`megatron_search.distributed.init_distributed`).
+subclass) and `model_class` (a GPTModel subclass; default GPTModel, or `models.mtp.MTPGPTModel`
+when the config builds MTP layers). Model parallel state must be initialised first
+(`megatron_search.distributed.init_distributed`).
 """
 from __future__ import annotations
 
@@ -85,7 +86,12 @@ def build_model(cfg, pre_process: bool | None = None, post_process: bool | None 
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     spec = module.layer_spec(config, use_te, vp_stage, ps.get_pipeline_model_parallel_rank())
-    model_cls = getattr(module, "model_class", GPTModel)
+    model_cls = getattr(module, "model_class", None)
+    if model_cls is None:
+        from .mtp import MTPGPTModel
+
+        # With MTP layers: Megatron's behaviour with labels, main-head logits without (models/mtp.py).
+        model_cls = MTPGPTModel if config.mtp_num_layers else GPTModel
     extra = {}
     if hasattr(module, "mtp_block_spec"):  # multi-token prediction (None when off or not on this stage)
         extra["mtp_block_spec"] = module.mtp_block_spec(config, use_te, vp_stage)

@@ -43,6 +43,8 @@ def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif m.recompute == "selective":
         recompute = dict(recompute_granularity="selective")
+        if m.recompute_modules is not None:
+            recompute["recompute_modules"] = list(m.recompute_modules)
     return dict(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
@@ -60,8 +62,12 @@ def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
         add_bias_linear=False,
         normalization="RMSNorm",
         init_method_std=hf.get("initializer_range", 0.02),
+        # Router losses come from our config only, never from the HF config (config/model.py).
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        # None is Megatron's "off"; 0.0 would still run the z-loss (and log z_loss / 0).
+        moe_z_loss_coeff=m.moe_z_loss_coeff if m.moe_z_loss_coeff > 0 else None,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         moe_token_dispatcher_type=moe_dispatcher(m.moe_token_dispatcher, on_gpu),
         # Grouped GEMM needs TE kernels; otherwise experts run as a loop of plain MLPs (SequentialMLP).
         moe_grouped_gemm=use_te,

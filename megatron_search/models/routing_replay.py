@@ -10,6 +10,15 @@ given model chunks directly (not Megatron's process-global instance list, which 
 routers of models built earlier), in global layer order, and slices each layer's targets to the
 tokens the router sees on this rank (sequence parallel splits the sequence over TP).
 
+Under activation recomputation the router runs again inside backward, possibly several forwards
+later (1F1B keeps up to PP micro-batches in flight; interleaving more). Megatron-Core 0.16.1 never
+switches a router to REPLAY_BACKWARD itself, so a recomputed forward would route by its own top-k
+and the gradient would be of other experts than the forward's. Here every training forward queues
+its targets on the routers that recompute (full recompute, or selective with the "moe" module),
+and as soon as the forward returns those routers switch to REPLAY_BACKWARD: a recomputation pops
+the oldest queued targets, which are its own micro-batch's, since backward runs micro-batches in
+forward order on each model chunk. After a schedule every queue must be empty (check_drained).
+
 Token order inside Megatron is [S, B] (sequence-major); experts come in as [B, S, L, K].
 `ExpertRecorder` hooks the routers' outputs to read back which experts a forward really used,
 which gives the agreement metric when replay is off.
@@ -56,6 +65,17 @@ def _local_tokens(experts_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequenc
     return s_major.reshape(-1, s_major.shape[-1]).to(torch.int64).contiguous()
 
 
+def recomputes_router(config, layer_in_chunk: int) -> bool:
+    """Whether activation recomputation re-runs the router of this layer (its index within the chunk)."""
+    if config.recompute_granularity == "full":
+        if config.recompute_method == "block":  # only the first recompute_num_layers layers of each chunk
+            return layer_in_chunk < (config.recompute_num_layers or 0)
+        return True  # uniform: every layer, in groups of recompute_num_layers
+    if config.recompute_granularity == "selective":
+        return "moe" in (config.recompute_modules or ())
+    return False
+
+
 class RoutingReplay:
     """Set / clear replay targets on the routers of `model_chunks` (this rank's layers)."""
 
@@ -74,9 +94,11 @@ class RoutingReplay:
         if absent:
             raise ValueError(f"routing replay: MoE layers {absent} of this rank are not in moe_layers {list(moe_layers)}")
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
+        self.recomputed = {layer for layer, idx, cfg in _router_positions(model_chunks) if recomputes_router(cfg, idx)}
 
-    def set_targets(self, experts_BSLK: torch.Tensor) -> None:
-        """Replay these experts in the next forward (and its recomputation in backward)."""
+    def set_targets(self, experts_BSLK: torch.Tensor, *, backward: bool = True) -> None:
+        """Replay these experts in the next forward; with `backward` (a forward whose backward follows)
+        also queue them for the recomputation of that forward inside backward."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if experts_BSLK.dim() != 4 or experts_BSLK.shape[2] != len(self.column):
@@ -87,22 +109,42 @@ class RoutingReplay:
             if target.shape[1] != router.topk:
                 raise ValueError(f"routing replay: layer {layer} routes top-{router.topk}, targets have {target.shape[1]}")
             rr = router.router_replay
-            rr.clear_indices()
-            rr.set_target_indices(target)
+            rr.target_topk_idx = target
+            if backward and layer in self.recomputed:
+                rr.replay_backward_list.append(target)
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def start_backward(self) -> None:
-        """Before a backward that recomputes activations: replay the queued targets there too."""
+    def forward_done(self) -> None:
+        """The forward returned: a router that runs again before the next set_targets is recomputing
+        inside backward, and replays the oldest queued targets."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for _, router in self.routers:
-            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        for layer, router in self.routers:
+            if layer in self.recomputed:
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def check_drained(self) -> None:
+        """After a forward-backward schedule: every queued target was replayed by a recomputation."""
+        left = {layer: len(r.router_replay.replay_backward_list) for layer, r in self.routers
+                if r.router_replay.replay_backward_list}
+        if left:
+            raise RuntimeError(f"routing replay: targets queued for recomputation were never replayed "
+                               f"(layer: micro-batches left {left}); the recompute settings and the routers disagree")
 
     def clear(self) -> None:
         """Back to normal routing."""
         for _, router in self.routers:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
+
+
+def _router_positions(model_chunks):
+    """(global layer, index within its chunk, TransformerConfig) of every MoE router of this rank."""
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        for i, layer in enumerate(model.decoder.layers):
+            if getattr(getattr(layer, "mlp", None), "router", None) is not None:
+                yield layer.layer_number - 1, i, layer.config
 
 
 class ExpertRecorder:

@@ -6,9 +6,12 @@
   (identical answers score exactly 0.5; distinct texts are scored once per call).
   In-process: it runs on the ranks holding the reward model (every rank of its layout calls it
   with the same arguments), CPU or GPU.
-- `ReferenceCache`: the frozen reference engine's answer for each prompt, generated once (all
-  prompts missing from the cache in one batched call) and kept in a JSONL file, keyed by a hash
-  of the prompt's chat messages; the file is rewritten atomically after each addition.
+- `ReferenceCache`: the frozen reference engine's answers for each prompt, generated once (all
+  (prompt, sample) pairs missing from the cache in one batched call) and kept in a JSONL file, keyed
+  by a hash of the prompt's chat messages and the sample index k: GRPO compares rollout k of a group
+  with reference sample k of its prompt (RECIPE 5.2: "the reference model's answer it was compared
+  with"), so the group's reference lengths vary. The file is rewritten atomically after each addition;
+  records written before samples existed are sample 0.
 - `agent_reference_generator(agent)`: the generator that runs the search agent on the frozen
   reference engine (rollout/agent.py) and keeps each rollout's final answer and its length.
 """
@@ -23,7 +26,8 @@ import torch
 
 from megatron_search.train.scoring import ReferenceAnswer
 
-ReferenceGenerator = Callable[[list[list[dict]]], list[ReferenceAnswer]]
+# (prompts, sample indices) -> one reference answer per pair; sample k is seeded apart from the others.
+ReferenceGenerator = Callable[[list[list[dict]], list[int]], list[ReferenceAnswer]]
 
 
 class PreferenceService:
@@ -54,12 +58,12 @@ def prompt_key(messages: Sequence[dict]) -> str:
 
 
 class ReferenceCache:
-    """Reference answers per prompt, generated once by `generate` and persisted at `path`."""
+    """Reference answers per (prompt, sample index), generated once by `generate` and persisted at `path`."""
 
     def __init__(self, path: str | Path, generate: ReferenceGenerator, write: bool = True):
         self.path, self.generate, self.write = Path(path), generate, write
-        self._entries: dict[str, ReferenceAnswer] = {}
-        self.generated = 0  # prompts this process generated (not read from the file)
+        self._entries: dict[tuple[str, int], ReferenceAnswer] = {}
+        self.generated = 0  # (prompt, sample) pairs this process generated (not read from the file)
         if self.path.is_file():
             self._load()
 
@@ -70,8 +74,11 @@ class ReferenceCache:
                     continue
                 try:
                     d = json.loads(line)
-                    self._entries[d["key"]] = ReferenceAnswer(str(d["answer"]), int(d["generated_tokens"]))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                    sample = int(d.get("sample", 0))
+                    if sample < 0:
+                        raise ValueError(f"sample index {sample} < 0")
+                    self._entries[(d["key"], sample)] = ReferenceAnswer(str(d["answer"]), int(d["generated_tokens"]))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
                     raise ValueError(f"{self.path}:{lineno}: not a reference-answer record ({e})") from None
 
     def __len__(self) -> int:
@@ -80,18 +87,23 @@ class ReferenceCache:
     def _save(self) -> None:
         from megatron_search.data.jsonl import write_jsonl
 
-        write_jsonl(self.path, ({"key": k, "answer": v.answer, "generated_tokens": v.generated_tokens}
-                                for k, v in self._entries.items()))
+        write_jsonl(self.path, ({"key": k, "sample": i, "answer": v.answer, "generated_tokens": v.generated_tokens}
+                                for (k, i), v in self._entries.items()))
 
-    def get(self, prompts: Sequence[list[dict]]) -> list[ReferenceAnswer]:
-        """The reference answer of each prompt; the missing ones are generated in one call."""
-        keys = [prompt_key(p) for p in prompts]
-        missing: dict[str, list[dict]] = {}
-        for k, p in zip(keys, prompts):
-            if k not in self._entries and k not in missing:
-                missing[k] = list(p)
+    def get(self, prompts: Sequence[list[dict]], samples: Optional[Sequence[int]] = None) -> list[ReferenceAnswer]:
+        """Reference sample samples[i] (default 0) of each prompt; the missing ones are generated in one call."""
+        samples = [0] * len(prompts) if samples is None else [int(k) for k in samples]
+        if len(samples) != len(prompts):
+            raise ValueError(f"ReferenceCache.get: {len(prompts)} prompts, {len(samples)} sample indices")
+        if any(k < 0 for k in samples):
+            raise ValueError(f"ReferenceCache.get: sample indices must be >= 0, got {min(samples)}")
+        keys = [(prompt_key(p), k) for p, k in zip(prompts, samples)]
+        missing: dict[tuple[str, int], list[dict]] = {}
+        for key, p in zip(keys, prompts):
+            if key not in self._entries and key not in missing:
+                missing[key] = list(p)
         if missing:
-            made = self.generate(list(missing.values()))
+            made = self.generate(list(missing.values()), [k for _, k in missing])
             if len(made) != len(missing):
                 raise ValueError(f"reference generator returned {len(made)} answers for {len(missing)} prompts")
             for k, ref in zip(missing, made):
@@ -104,6 +116,11 @@ class ReferenceCache:
         return [self._entries[k] for k in keys]
 
 
+def reference_seed(seed: Optional[int], sample: int) -> Optional[int]:
+    """Sampling seed of reference sample k: sample 0 keeps `seed` (caches made before samples stay valid)."""
+    return seed if seed is None or sample == 0 else seed + 1_000_003 * sample
+
+
 def agent_reference_generator(agent, seed: Optional[int] = None, progress: bool = False) -> ReferenceGenerator:
     """Reference answers from the search agent on the frozen reference engine (rollout/agent.py).
 
@@ -113,8 +130,8 @@ def agent_reference_generator(agent, seed: Optional[int] = None, progress: bool 
 
     from megatron_search.rollout.agent import AgentTask
 
-    def generate(prompts: list[list[dict]]) -> list[ReferenceAnswer]:
-        tasks = [AgentTask(messages=list(p), seed=seed) for p in prompts]
+    def generate(prompts: list[list[dict]], samples: list[int]) -> list[ReferenceAnswer]:
+        tasks = [AgentTask(messages=list(p), seed=reference_seed(seed, k)) for p, k in zip(prompts, samples)]
         rollouts = asyncio.run(agent.run_many(tasks, progress=progress, desc="reference rollouts"))
         return [ReferenceAnswer(r.final_answer or "", int(r.num_model_tokens)) for r in rollouts]
 

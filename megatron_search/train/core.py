@@ -6,13 +6,16 @@
     while trainer.iteration < total_steps:
         batch = trainer.dp_slice(global_batch)       # this DP rank's share (a step.Batch)
         m = trainer.step(batch, loss_fn, micro_batch_size)
-        # m: {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"} (same on every rank)
+        # m: {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"} (same on every rank),
+        #    plus "mtp_loss" (the unscaled MTP cross entropy) with model.mtp
         if trainer.should_save(): trainer.save(extra={"sampler": ...})
 
 API (kept stable for train/sft.py and train/grpo.py):
-- `Trainer(cfg, ctx, total_steps)`: builds this rank's model chunks (models/provider.py), wraps them
-  in Megatron DDP and builds Megatron's optimizer (distributed optimizer where Megatron supports
-  it: on GPU; gloo lacks reduce_scatter) -- all through distributed/step.py.
+- `Trainer(cfg, ctx, total_steps, train_mtp=True)`: builds this rank's model chunks (models/provider.py),
+  wraps them in Megatron DDP and builds Megatron's optimizer (distributed optimizer where Megatron
+  supports it: on GPU; gloo lacks reduce_scatter) -- all through distributed/step.py. With
+  model.mtp on, `train_mtp=False` (GRPO) freezes the MTP layer before the DDP wrap: no gradients,
+  no optimizer state, weights kept exactly as loaded (models/mtp.py).
   `trainer.model` = unwrapped chunks, `trainer.ddp` = DDP chunks, `trainer.optimizer`.
 - `step(batch, loss_fn=token_mean_ce, micro_batch_size=None)`: sets the LR for this step
   (train/lr.py, a pure function of `iteration`), runs Megatron's pipeline schedule over
@@ -46,6 +49,7 @@ from megatron_search.distributed.step import (
     Batch,
     data_parallel_slice,
     make_optimizer,
+    mtp_loss_of_step,
     token_mean_ce,
     train_step,
     wrap_ddp,
@@ -62,7 +66,8 @@ def checkpoint_root(cfg) -> Path:
 class Trainer:
     """Megatron model + optimizer + schedule for one run; see the module docstring for the API."""
 
-    def __init__(self, cfg, ctx, total_steps: int):
+    def __init__(self, cfg, ctx, total_steps: int, train_mtp: bool = True):
+        from megatron_search.models.mtp import freeze_mtp
         from megatron_search.models.provider import build_model_chunks
 
         if total_steps < 1:
@@ -74,6 +79,8 @@ class Trainer:
                              "(batches are not split along the sequence over the CP ranks); use parallel.cp=1")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
         self.model = build_model_chunks(cfg)
+        if not train_mtp:
+            freeze_mtp(self.model)
         self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)
         self.optimizer = make_optimizer(cfg, self.ddp)
         self.iteration = 0  # optimizer steps taken so far (the next step uses the LR of `iteration`)
@@ -120,8 +127,11 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.iteration += 1
         self.consumed_tokens += tokens
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "step_time_s": dt,
-                "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+        out = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "step_time_s": dt,
+               "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+        if self.model[0].config.mtp_num_layers:  # model.mtp: what Megatron added (x mtp_loss_scaling_factor)
+            out["mtp_loss"] = mtp_loss_of_step(batch.tokens.shape[0] // mbs)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def should_save(self) -> bool:

@@ -62,12 +62,11 @@ class GRPORun:
         if cfg.rollout.temperature == 0:
             raise ValueError("rollout.temperature=0 samples greedily: the G rollouts of a group would be identical "
                              "and carry no signal; GRPO needs a temperature > 0")
-        if cfg.grpo.routing_replay and cfg.model.recompute != "none":
-            raise ValueError("grpo.routing_replay: replaying the engine's experts inside activation recomputation "
-                             "is not wired yet; use model.recompute=none with routing replay")
         self.out = Path(cfg.run.output_dir)
         self.is_driver = dist.get_rank() == 0
-        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps)
+        # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is
+        # the token-IS loss on the main head; the MTP layer is frozen, still loaded and synced (the engine's draft).
+        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False)
         self.dp = ps.get_data_parallel_world_size()
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
@@ -143,7 +142,7 @@ class GRPORun:
             t0 = time.perf_counter()
             col = self.driver.collect(self.sampler.take(cfg.grpo.prompts_per_step), step)
             t1 = time.perf_counter()
-            refs = self.driver.reference_answers(col.items)
+            refs = self.driver.reference_answers(col.items, col.samples)  # rollout k vs reference sample k
             m["time/rollout_s"], m["time/reference_s"] = t1 - t0, time.perf_counter() - t1
             m["perf/rollouts_per_s"] = len(col.rollouts) / max(t1 - t0, 1e-9)
             m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
@@ -205,6 +204,8 @@ class GRPORun:
         self.trainer.iteration += 1
         dt = time.perf_counter() - t0
         out = {f"train/{k}": v for k, v in (history[-1] if history else {}).items()}
+        if len(history) > 1:  # several updates: also the first one's drift from pi_old (0 there: pi_theta is pi_old)
+            out.update({f"train/first_update/{k}": v for k, v in history[0].items() if k.startswith("policy_")})
         out["train/lr"] = lr
         out["time/train_s"] = dt
         out["perf/train_tokens_per_s"] = float(local.mask_BS.sum()) * self.dp / max(dt, 1e-9)  # DP slices: even

@@ -10,8 +10,10 @@ the same API. Rollouts are spread over the generation endpoints round-robin by t
 updates go to every server.
 
 Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
-same prompt) are generated once per prompt and cached in <output_dir>/reference_answers.jsonl
-(rm/service.py's ReferenceCache), so a resumed run reuses them. They come from a frozen reference
+same prompt; 5.2: its length anchors the rollout's) are G per prompt: rollout k of a group is
+compared with reference sample k (its own seed), so the group's reference lengths vary and every
+branch of the length penalty can fire. They are generated once per (prompt, k) and cached in
+<output_dir>/reference_answers.jsonl (rm/service.py's ReferenceCache), so a resumed run reuses them. They come from a frozen reference
 engine holding the initial policy (grpo.reference_urls, or an in-process one for small models), or,
 with grpo.reference_source=rollout_engines, from the rollout engines themselves: every prompt of the
 run is answered up front, while those engines still hold the initial policy, and a prompt missing
@@ -48,6 +50,7 @@ class Collected:
     items: list[MixItem]  # the prompt item of each rollout
     rollouts: list[Rollout]
     group_ids: list[int]
+    samples: list[int]  # k of each rollout within its group (0..G-1, kept when others failed)
     failed: int  # rollouts lost to engine errors (their groups are ragged)
 
 
@@ -102,16 +105,17 @@ class RolloutDriver:
                 agent = self.agents[(j * g + k) % len(self.agents)]
                 jobs.append((agent, AgentTask(item.messages, seed=seed, metadata={"id": item.id, "kind": item.kind})))
         results = self.run(self._gather(jobs, f"rollouts step {step}"))
-        out = Collected([], [], [], 0)
+        out = Collected([], [], [], [], 0)
         group = -1
         for j, item in enumerate(items):
-            kept = [r for r in results[j * g:(j + 1) * g] if isinstance(r, Rollout)]
+            kept = [(k, r) for k, r in enumerate(results[j * g:(j + 1) * g]) if isinstance(r, Rollout)]
             out.failed += g - len(kept)
             if not kept:
                 continue
             group += 1
             out.items += [item] * len(kept)
-            out.rollouts += kept
+            out.rollouts += [r for _, r in kept]
+            out.samples += [k for k, _ in kept]
             out.group_ids += [group] * len(kept)
         if group < 0:
             errors = [r for r in results if not isinstance(r, Rollout)]
@@ -119,16 +123,19 @@ class RolloutDriver:
         return out
 
     # ------------------------------------------------------------------ reference answers
-    def _generate_references(self, prompts: list[list[dict]]) -> list[ReferenceAnswer]:
+    def _generate_references(self, prompts: list[list[dict]], samples: list[int]) -> list[ReferenceAnswer]:
+        from megatron_search.rm.service import reference_seed
+
         if self.reference is None and self.references_frozen:
             raise RuntimeError(f"reference answers for {len(prompts)} prompt(s) are not in the cache, and the rollout "
                                f"engines no longer hold the initial policy (grpo.reference_source=rollout_engines "
                                f"answers every prompt of the run before the first update)")
+        seeds = [reference_seed(self.cfg.run.seed, k) for k in samples]
         if self.reference is not None:
-            jobs = [(self.reference, AgentTask(p, seed=self.cfg.run.seed)) for p in prompts]
+            jobs = [(self.reference, AgentTask(p, seed=s)) for p, s in zip(prompts, seeds)]
         else:  # the rollout engines, still holding the initial policy
-            jobs = [(self.agents[i % len(self.agents)], AgentTask(p, seed=self.cfg.run.seed))
-                    for i, p in enumerate(prompts)]
+            jobs = [(self.agents[i % len(self.agents)], AgentTask(p, seed=s))
+                    for i, (p, s) in enumerate(zip(prompts, seeds))]
         out = []
         for p, r in zip(prompts, self.run(self._gather(jobs, "reference answers"))):
             if not isinstance(r, Rollout):
@@ -137,19 +144,22 @@ class RolloutDriver:
         return out
 
     def pregenerate_references(self, items: Sequence[MixItem], fresh: bool) -> int:
-        """rollout_engines: answer every prompt the run will use now (fresh run), or check the cache holds
-        them all (resumed run); afterwards a missing prompt is an error. Returns the prompts generated."""
+        """rollout_engines: answer every prompt the run will use G times now (fresh run), or check the cache
+        holds them all (resumed run); afterwards a missing one is an error. Returns the answers generated."""
+        g = self.cfg.grpo.group_size
+        prompts = [it.messages for it in items for _ in range(g)]
+        samples = [k for _ in items for k in range(g)]
         before = self.references.generated
         if fresh:
-            self.references.get([it.messages for it in items])
+            self.references.get(prompts, samples)
         self.references_frozen = True
         if not fresh:
-            self.references.get([it.messages for it in items])  # raises if any is missing
+            self.references.get(prompts, samples)  # raises if any is missing
         return self.references.generated - before
 
-    def reference_answers(self, items: Sequence[MixItem]) -> list[ReferenceAnswer]:
-        """The frozen reference model's answer to each item (generated once per prompt, cached on disk)."""
-        return self.references.get([it.messages for it in items])
+    def reference_answers(self, items: Sequence[MixItem], samples: Sequence[int]) -> list[ReferenceAnswer]:
+        """Reference sample samples[i] for items[i] (each generated once, cached on disk)."""
+        return self.references.get([it.messages for it in items], samples)
 
     def close(self) -> None:
         try:

@@ -61,8 +61,8 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
         counter["i"] += 1
         s = mb.tokens_BS.shape[1]
         position_ids = torch.arange(s, device=mb.tokens_BS.device).unsqueeze(0).expand_as(mb.tokens_BS)
-        if replay is not None:  # route every token to the experts the engine used for it
-            replay.set_targets(mb.routed_experts_BSLK)
+        if replay is not None:  # route every token to the experts the engine used for it, recomputation included
+            replay.set_targets(mb.routed_experts_BSLK, backward=capture is None)
         agree = None
         if agreement is not None:
             from megatron_search.models.routing_replay import ExpertRecorder, recorded_agreement
@@ -74,6 +74,8 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
                                        sequence_parallel=sp)
         else:
             logits = model(mb.tokens_BS, position_ids, None)
+        if replay is not None:
+            replay.forward_done()
 
         def loss_func(output: torch.Tensor):
             # The logits are read by nothing after this loss, so their gradient is written into their
@@ -220,6 +222,8 @@ def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, 
             m.zero_grad_buffer()
         optimizer.zero_grad()
         out = run_schedule(chunks, fs, part, forward_only=False)
+        if replay is not None:
+            replay.check_drained()
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")

@@ -103,6 +103,8 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
             summary["grad_norms"].append(m["grad_norm"])
             if it % cfg.logging.log_interval == 0:
                 values = {tag: m[k] for k, tag in TB_TAGS.items()}
+                if "mtp_loss" in m:  # model.mtp: the MTP head's own cross entropy (token t+2)
+                    values["train/mtp_loss"] = m["mtp_loss"]
                 values["train/consumed_tokens"] = trainer.consumed_tokens
                 writer.scalars(it, values)
             bar.update(1)

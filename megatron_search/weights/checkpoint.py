@@ -5,8 +5,9 @@ hf_to_mcore: each rank builds its model shard, fills it tensor by tensor from th
 is layout-free, so it loads at any other TP/PP/EP. mcore_to_hf: each rank builds its shard at any
 layout, loads the distributed checkpoint (Megatron reshards), and the bucketed exporter streams
 HF tensors to rank 0, which writes sharded safetensors. Beside the Megatron files, `hf_extra/`
-keeps what Megatron does not hold (config.json, tokenizer and generation files, vision / MTP
-tensors), so a round trip gives back the full HF checkpoint.
+keeps what Megatron does not hold (config.json, tokenizer and generation files, vision tensors, and
+the MTP tensors when model.mtp is off), so a round trip gives back the full HF checkpoint. With
+model.mtp on, the MTP weights live in the Megatron checkpoint and are exported from it.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progres
     sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     dist_checkpointing.save(sharded, str(out_dir))
     if rank0:
-        _write_extra(hf_dir, out_dir / EXTRA_DIR, source, Mapping(arch))
+        _write_extra(hf_dir, out_dir / EXTRA_DIR, source, Mapping(arch, mtp=cfg.model.mtp))
     _barrier()
 
 
@@ -151,7 +152,10 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
     carried = extra / "passthrough"
     if carried.is_dir():
         src = HFTensorSource.from_dir(carried)
+        keep = Mapping(cfg.model.architecture, mtp=cfg.model.mtp)
         for n in sorted(src.names()):
+            if not keep.is_passthrough(n):  # e.g. mtp.* carried at conversion, now exported from the model
+                continue
             writer.add(n, src.get(n))
             count += 1
     files = writer.close()

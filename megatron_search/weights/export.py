@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
-from megatron_search.models.hf_mapping import Mapping, MappingError, Match
-from megatron_search.weights.params import LocalParam, local_params, padded_vocab_size
+from megatron_search.models.hf_mapping import MappingError, Match
+from megatron_search.weights.params import LocalParam, local_params, model_mapping, padded_vocab_size
 from megatron_search.weights.send_plan import Destination, ParamShards, SendPlan, build_send_plan
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -85,11 +85,11 @@ class HFExporter:
         self.dst_rank = dst_rank
         self.out_dtype = out_dtype
         self.bucket_bytes = bucket_bytes
-        mapping0 = Mapping(arch)
+        mapping0 = model_mapping(model_chunks, arch)  # MTP rules when the model builds MTP layers
         self.local: dict[str, LocalParam] = {p.global_name: p for p in local_params(model_chunks, mapping0, groups)}
         first = next(iter(self.local.values()), None)
         self.device = first.tensor.device if first is not None else torch.device("cpu")
-        self.mapping = Mapping(arch, padded_vocab_size(list(self.local.values()), arch.vocab_size))
+        self.mapping = model_mapping(model_chunks, arch, padded_vocab_size(list(self.local.values()), arch.vocab_size))
         self.entries = self._plan_entries()
         self.buckets = self._plan_buckets()  # checks every parameter fits a bucket (the error names the tensor)
         if destinations is None:

@@ -3,8 +3,8 @@
 Every rank reads only the HF tensors its own parameters need, builds the full Megatron tensor
 with the mapping table, keeps its TP slice and copies it in place, so a rank never holds more
 than one full parameter beside its shard. Afterwards the ranks agree on what was read: a stored
-tensor that no rank used (other than the carried-through vision / MTP weights) is an error, as is
-a missing one or a shape that does not fit.
+tensor that no rank used (other than the carried-through vision weights, and the MTP weights when the
+model builds no MTP block) is an error, as is a missing one or a shape that does not fit.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tqdm import tqdm
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import Mapping, MappingError
 from megatron_search.weights.hf_source import HFTensorSource
-from megatron_search.weights.params import local_params, padded_vocab_size
+from megatron_search.weights.params import local_params, model_mapping, padded_vocab_size
 
 
 class CheckpointMismatchError(MappingError):
@@ -31,8 +31,8 @@ def load_hf_into_model(model_chunks, arch: Architecture, source: HFTensorSource,
 
     Collective when torch.distributed is initialised (the extra-tensor check gathers names).
     """
-    params = local_params(model_chunks, Mapping(arch), groups)
-    mapping = Mapping(arch, padded_vocab_size(params, arch.vocab_size))
+    params = local_params(model_chunks, model_mapping(model_chunks, arch), groups)
+    mapping = model_mapping(model_chunks, arch, padded_vocab_size(params, arch.vocab_size))
     used: set[str] = set()
     rank0 = not dist.is_initialized() or dist.get_rank(world_group) == 0
     error: Optional[str] = None

@@ -1,7 +1,8 @@
 """The local Megatron parameters of one rank, named globally and resolved against the mapping table.
 
 Megatron names layers and experts locally (`decoder.layers.0` on the second pipeline stage is a
-later layer; `local_experts.0` on EP rank 1 is a later expert). Every exporter and loader needs
+later layer; `local_experts.0` on EP rank 1 is a later expert; the same holds for the experts of
+the MTP block's transformer layer, `mtp.layers.{k}.transformer_layer.`). Every exporter and loader needs
 the global names, the tensor-parallel coordinates of each shard, and the norm convention of its
 module; `local_params` collects them in one pass.
 """
@@ -16,6 +17,7 @@ import torch
 from megatron_search.models.hf_mapping import Mapping, MappingError, Match
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
@@ -53,21 +55,47 @@ def _group_coords(group) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
-def global_name(model: torch.nn.Module, local_name: str) -> str:
-    """Megatron name with global layer and expert indices."""
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    idx, rest = int(m.group(1)), m.group(2)
-    layer = model.decoder.layers[idx]
-    gl = layer.layer_number - 1  # layer_number is global and 1-based (includes the PP/VPP offset)
+def _global_experts(layer: torch.nn.Module, rest: str) -> str:
+    """`rest` (a name inside a transformer layer) with its local expert index made global."""
     for rx in (_LOCAL_EXPERT, _GROUPED_EXPERT):
         e = rx.match(rest)
         if e:
             ge = layer.mlp.local_expert_indices[int(e.group(2))]
-            rest = f"{e.group(1)}{ge}{e.group(3) if rx is _LOCAL_EXPERT else ''}"
-            break
-    return f"decoder.layers.{gl}.{rest}"
+            return f"{e.group(1)}{ge}{e.group(3) if rx is _LOCAL_EXPERT else ''}"
+    return rest
+
+
+def global_name(model: torch.nn.Module, local_name: str) -> str:
+    """Megatron name with global layer and expert indices."""
+    m = _LAYER.match(local_name)
+    if m:
+        layer = model.decoder.layers[int(m.group(1))]
+        gl = layer.layer_number - 1  # layer_number is global and 1-based (includes the PP/VPP offset)
+        return f"decoder.layers.{gl}.{_global_experts(layer, m.group(2))}"
+    m = _MTP_LAYER.match(local_name)
+    if m:
+        mtp_layer = model.mtp.layers[int(m.group(1))]
+        gk = mtp_layer.layer_number - 1  # 1-based, includes the MTP offset of a custom PP layout
+        rest = m.group(2)
+        inner = "transformer_layer."
+        if rest.startswith(inner):
+            rest = inner + _global_experts(mtp_layer.transformer_layer, rest[len(inner):])
+        return f"mtp.layers.{gk}.{rest}"
+    return local_name
+
+
+def built_mtp_layers(model_chunks: Iterable[torch.nn.Module]) -> int:
+    """MTP layers the model was configured with (the same on every pipeline stage; 0 = none).
+
+    Read from the TransformerConfig, not from the parameters, so that stages without the MTP
+    block (all but the last) build the same mapping as the stage holding it."""
+    first = next(iter(model_chunks), None)
+    return 0 if first is None else int(getattr(unwrap(first).config, "mtp_num_layers", None) or 0)
+
+
+def model_mapping(model_chunks, arch, padded_vocab: Optional[int] = None) -> Mapping:
+    """The mapping for these model chunks: MTP rules exactly when the model builds MTP layers."""
+    return Mapping(arch, padded_vocab, mtp=built_mtp_layers(model_chunks) > 0)
 
 
 def _zero_centered(model: torch.nn.Module, local_name: str) -> bool:
