@@ -190,9 +190,11 @@ def agreement_rate(a_NLK: torch.Tensor, b_NLK: torch.Tensor, valid_N: Optional[t
 
 
 def recorded_agreement(recorder: ExpertRecorder, experts_BSLK: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1,
-                       sequence_parallel: bool = False) -> float:
+                       sequence_parallel: bool = False, moe_layers: Optional[Sequence[int]] = None) -> float:
     """Agreement between the experts a forward chose (`recorder`, one forward) and the engine's
-    `experts_BSLK` (column L = global layer L), over this rank's non-padding tokens and MoE layers."""
+    `experts_BSLK` (column i = global layer moe_layers[i]; default column L = layer L), over this
+    rank's non-padding tokens and MoE layers."""
+    column = {layer: i for i, layer in enumerate(moe_layers if moe_layers is not None else range(experts_BSLK.shape[2]))}
     seen = recorder.experts()
     valid_SB = (experts_BSLK[:, :, 0, 0] >= 0).transpose(0, 1)
     if sequence_parallel and tp_size > 1:
@@ -201,7 +203,7 @@ def recorded_agreement(recorder: ExpertRecorder, experts_BSLK: torch.Tensor, *, 
     ours, theirs = [], []
     for layer, chosen in sorted(seen.items()):
         ours.append(chosen)
-        theirs.append(_local_tokens(experts_BSLK[:, :, layer], tp_rank, tp_size, sequence_parallel))
+        theirs.append(_local_tokens(experts_BSLK[:, :, column[layer]], tp_rank, tp_size, sequence_parallel))
     if not ours:
         return 1.0
     return agreement_rate(torch.stack(ours, 1), torch.stack(theirs, 1), valid)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_search.models.routing_replay import moe_routers
 from megatron_search.rewards.batch import compute_rewards_from_config, reward_generator
 from megatron_search.rl.advantages import filtered_groups, group_advantages
 from megatron_search.rl.registry import build_policy_loss
@@ -83,7 +84,7 @@ class GRPORun:
         urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
         self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver)
-        self.scatter = BatchScatter()
+        self.scatter = BatchScatter(moe_layers=[layer for layer, _ in moe_routers(self.trainer.model)])
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

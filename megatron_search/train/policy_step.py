@@ -50,7 +50,7 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
     With `capture` (forward-only passes), the detached log pi of every micro-batch is appended to it
     and the loss is zero: used to compute pi_old before several optimizer steps on one batch.
     With `replay` (RoutingReplay) the engine's experts are forced; with `agreement` (tp_rank, tp_size,
-    sequence_parallel) the experts this forward chose are compared with the engine's
+    sequence_parallel, global layer of each expert column) the experts this forward chose are compared with the engine's
     (metric routing_agreement: 1.0 under replay, the natural train/inference agreement without).
     """
     counter = {"i": 0}
@@ -69,9 +69,9 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
 
             with ExpertRecorder([model]) as rec:
                 logits = model(mb.tokens_BS, position_ids, None)
-            tp_rank, tp_size, sp = agreement
+            tp_rank, tp_size, sp, layers = agreement
             agree = recorded_agreement(rec, mb.routed_experts_BSLK, tp_rank=tp_rank, tp_size=tp_size,
-                                       sequence_parallel=sp)
+                                       sequence_parallel=sp, moe_layers=layers)
         else:
             logits = model(mb.tokens_BS, position_ids, None)
         if replay is not None:
@@ -181,11 +181,10 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
 
         where = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                  unwrap(chunks[0]).config.sequence_parallel)
+        layers = batch.moe_layers()  # the global layer of each expert column (this rank's stage, BatchScatter)
         if replay:
-            # Every layer of the supported models is an MoE layer: column L of the experts is layer L.
-            replay_ctl = RoutingReplay(chunks, list(range(batch.routed_experts_BSLK.shape[2])), tp_rank=where[0],
-                                       tp_size=where[1], sequence_parallel=where[2])
-        agreement = where
+            replay_ctl = RoutingReplay(chunks, layers, tp_rank=where[0], tp_size=where[1], sequence_parallel=where[2])
+        agreement = (*where, layers)
     try:
         return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay_ctl, agreement, tp_group,
                         dp_group, pp_group, dp, last, temperature)
@@ -237,5 +236,6 @@ def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
     cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
     return RolloutBatch(cat([p.tokens_BS for p in parts]), cat([p.targets_BS for p in parts]),
                         cat([p.logp_infer_BS for p in parts]), cat([p.mask_BS for p in parts]),
-                        cat([p.advantages_B for p in parts]), cat([p.routed_experts_BSLK for p in parts]))
+                        cat([p.advantages_B for p in parts]), cat([p.routed_experts_BSLK for p in parts]),
+                        parts[0].expert_layers)
 

@@ -31,6 +31,21 @@ class RolloutBatch:
     mask_BS: torch.Tensor  # float32, 1 = trained token
     advantages_B: torch.Tensor  # float32
     routed_experts_BSLK: Optional[torch.Tensor] = None  # int32, -1 on padding
+    # global layer of each column L of routed_experts_BSLK; None = every layer, column L is layer L
+    expert_layers: Optional[tuple[int, ...]] = None
+
+    def moe_layers(self) -> list[int]:
+        """The global MoE layer of each column of routed_experts_BSLK."""
+        if self.routed_experts_BSLK is None:
+            return []
+        if self.expert_layers is None:
+            return list(range(self.routed_experts_BSLK.shape[2]))
+        return list(self.expert_layers)
+
+    def with_experts(self, experts_BSLK: Optional[torch.Tensor], layers: Optional[Sequence[int]]) -> "RolloutBatch":
+        """The same rows carrying these experts (columns = `layers`)."""
+        return RolloutBatch(self.tokens_BS, self.targets_BS, self.logp_infer_BS, self.mask_BS, self.advantages_B,
+                            experts_BSLK, None if layers is None else tuple(layers))
 
     @property
     def size(self) -> int:
@@ -39,7 +54,7 @@ class RolloutBatch:
     def slice(self, start: int, stop: int) -> "RolloutBatch":
         re = None if self.routed_experts_BSLK is None else self.routed_experts_BSLK[start:stop]
         return RolloutBatch(self.tokens_BS[start:stop], self.targets_BS[start:stop], self.logp_infer_BS[start:stop],
-                            self.mask_BS[start:stop], self.advantages_B[start:stop], re)
+                            self.mask_BS[start:stop], self.advantages_B[start:stop], re, self.expert_layers)
 
     def to(self, device) -> "RolloutBatch":
         """The same rows on `device` (the model's: batches are packed and sent on the host)."""
@@ -47,13 +62,13 @@ class RolloutBatch:
             return self
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return RolloutBatch(mv(self.tokens_BS), mv(self.targets_BS), mv(self.logp_infer_BS), mv(self.mask_BS),
-                            mv(self.advantages_B), mv(self.routed_experts_BSLK))
+                            mv(self.advantages_B), mv(self.routed_experts_BSLK), self.expert_layers)
 
     def select(self, index: Sequence[int]) -> "RolloutBatch":
         idx = torch.as_tensor(list(index), dtype=torch.long)
         re = None if self.routed_experts_BSLK is None else self.routed_experts_BSLK[idx]
         return RolloutBatch(self.tokens_BS[idx], self.targets_BS[idx], self.logp_infer_BS[idx], self.mask_BS[idx],
-                            self.advantages_B[idx], re)
+                            self.advantages_B[idx], re, self.expert_layers)
 
     def pad_rows(self, n: int, pad_id: int) -> "RolloutBatch":
         """This batch with `n` padding rows appended: pad tokens, mask 0, advantage 0, no experts (-1).
@@ -68,7 +83,7 @@ class RolloutBatch:
 
         re = None if self.routed_experts_BSLK is None else grow(self.routed_experts_BSLK, -1)
         return RolloutBatch(grow(self.tokens_BS, pad_id), grow(self.targets_BS, pad_id), grow(self.logp_infer_BS, 0),
-                            grow(self.mask_BS, 0), grow(self.advantages_B, 0), re)
+                            grow(self.mask_BS, 0), grow(self.advantages_B, 0), re, self.expert_layers)
 
 
 def round_up(n: int, multiple: int) -> int:
