@@ -9,7 +9,8 @@ start at 0, end at N, never decrease). Rollout i's tokens are
 [token_offsets[i], token_offsets[i+1]) of the packed token stream.
 Semantics match megatron_search.rl.advantages.group_advantages (RECIPE section 3): sample std
 (ddof=1, clamped to >= 1 for groups of one) unless unbiased=False; eps added to the std; a group
-whose rewards are all equal (including a group of one) gets advantages exactly 0. Computed in fp32.
+whose rewards are all equal (including a group of one) gets advantages exactly 0. Computed in fp32
+(float64 rewards stay float64 on the torch path, which rl.advantages.group_advantages relies on).
 """
 from __future__ import annotations
 
@@ -57,20 +58,20 @@ def group_advantages_torch(
     rewards: torch.Tensor, group_offsets: torch.Tensor, token_offsets: Optional[torch.Tensor],
     std_normalize: bool, eps: float, unbiased: bool,
 ) -> GroupAdvantages:
-    """Torch reference (segment reductions via index_add / scatter_reduce)."""
-    r = rewards.float()
+    """Torch reference (segment reductions via index_add / scatter_reduce); fp32, or float64 for float64 rewards."""
+    r = rewards if rewards.dtype == torch.float64 else rewards.float()
     counts = group_offsets[1:] - group_offsets[:-1]
     k = counts.numel()
     gid = torch.repeat_interleave(torch.arange(k, device=r.device), counts)
-    n_g = counts.float()
-    mean = torch.zeros(k, device=r.device).index_add_(0, gid, r) / n_g.clamp_min(1)
-    hi = torch.full((k,), -torch.inf, device=r.device).scatter_reduce_(0, gid, r, reduce="amax")
-    lo = torch.full((k,), torch.inf, device=r.device).scatter_reduce_(0, gid, r, reduce="amin")
+    n_g = counts.to(r.dtype)
+    mean = torch.zeros(k, dtype=r.dtype, device=r.device).index_add_(0, gid, r) / n_g.clamp_min(1)
+    hi = torch.full((k,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, gid, r, reduce="amax")
+    lo = torch.full((k,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, gid, r, reduce="amin")
     constant = (hi == lo)[gid]
     adv = torch.where(constant, torch.zeros_like(r), r - mean[gid])
     if std_normalize:
         dof = (n_g - 1).clamp_min(1) if unbiased else n_g.clamp_min(1)
-        std = (torch.zeros(k, device=r.device).index_add_(0, gid, adv * adv) / dof).sqrt()
+        std = (torch.zeros(k, dtype=r.dtype, device=r.device).index_add_(0, gid, adv * adv) / dof).sqrt()
         adv = torch.where(constant, adv, adv / (std[gid] + eps))
     per_token = None
     if token_offsets is not None:

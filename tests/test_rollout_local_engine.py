@@ -294,6 +294,11 @@ def test_weight_updates_outside_a_session_are_refused():
         await eng.update_weights_from_tensor(lm, weight_version="s1")
         await eng.end_weight_update()
         assert eng.weight_version == "s1"
+        # NCCL broadcasts land in CUDA memory: a CPU engine refuses the group before anyone blocks on it
+        with pytest.raises(EngineError, match=r"backend 'nccl' needs the engine on a CUDA device.*rollout.local.device"):
+            await eng.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "nccl")
+        with pytest.raises(EngineError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+            await eng.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "mpi")
         await eng.close()
 
     run(scenario())
@@ -345,3 +350,19 @@ def test_release_when_busy_and_resume_of_an_unreleased_tag_are_refused():
         await eng.close()
 
     run(scenario())
+
+
+def test_device_is_where_the_model_lives_and_sampling_stays_on_the_host(capsys):
+    """The engine's model, cache rows and fed ids sit on `device` (CPU here); logits come back to the host,
+    where the per-request CPU generators sample. A server asked for CUDA without a GPU says so and exits 2."""
+    from megatron_search.rollout.local_server import main as serve
+
+    eng = LocalEngine(MODELS["qwen3_5_moe"], seed=0, device="cpu")
+    assert eng.device == eng.runner.device == torch.device("cpu")
+    assert {p.device for p in eng.runner.model.parameters()} == {torch.device("cpu")}
+    state, logits = eng.runner.prefill(prompts(1, 6, 7, seed=31)[0])
+    assert logits.device.type == "cpu" and logits.dtype == torch.float32
+    assert {t.device.type for pair in state.layers for t in pair} == {"cpu"}
+    if not torch.cuda.is_available():
+        assert serve([f"model.hf_config={MODELS['qwen3_moe']}", "--device", "cuda"]) == 2
+        assert "no CUDA device is visible" in capsys.readouterr().err

@@ -69,6 +69,9 @@ def check_colocated_cycle(run_dir: Path, steps: int) -> None:
         assert by["sync"]["engine_weights_bytes"][0] > 0
         assert by["scoring"]["engine_weights_bytes"] == [0] and by["scoring"]["engine_kv_cache_bytes"] == [0]
         assert by["scoring"]["trainer_bytes"] == 0
+        # the reward model is resident only while it scores
+        assert by["scoring"]["reward_model_bytes"] > 0
+        assert all(by[p]["reward_model_bytes"] == 0 for p in by if p != "scoring"), by
         if "train" in by:
             trained += 1
             assert by["train"]["engine_weights_bytes"] == [0] and by["train"]["engine_kv_cache_bytes"] == [0]

@@ -7,13 +7,28 @@ On a GPU machine with the repo checked out (installed or not):
 
     python tools/gpu_selfcheck.py --out /tmp/selfcheck          # PASS/FAIL lines, summary.json in --out
 
-On a machine without internet whose Python has torch, triton and transformers but lacks pydantic,
-megatron-core and fla, with those packages' wheels in .whl/ (pydantic, pydantic-core, annotated-types,
-typing-inspection, typing-extensions, megatron-core, fla-core, flash-linear-attention):
+On a machine without internet whose Python has torch, triton, transformers, aiohttp and tensorboard
+but lacks megatron-core, pydantic, bm25s and fla (the H200 image: Python 3.12, torch 2.11 + CUDA 13,
+Triton 3.6, transformers 5.17), `bash tools/fetch_selfcheck_wheels.sh` (here, with network) puts the
+missing wheels in .whl/ (git-ignored; name it in the device tool's carry), for CPython 3.12 on
+manylinux x86_64, 19.4 MiB in all:
+    transformers 5.24.0 (12.92 MiB: the version tested here; the image's 5.17 takes past_key_values
+    where 5.24 takes cache, and its linear-attention cache differs from what the local engine drives),
+    megatron-core 0.16.1 (cp312, 2.49 MiB), pydantic-core 2.46.4 (cp312, 2.00 MiB), pydantic 2.13.4
+    (0.45 MiB), bm25s 0.3.16 (0.07 MiB: GRPO's search index), typing-extensions 4.16.0 (0.04 MiB),
+    typing-inspection 0.4.2 (0.01 MiB), annotated-types 0.7.0 (0.01 MiB) -- 18.00 MiB, all the train
+    check needs; fla-core 0.6.0 (1.03 MiB) and flash-linear-attention 0.6.0 (0.38 MiB) for gdn/models.
+Then there, the default checks:
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 540 python3 tools/gpu_selfcheck.py --out $OUT 2>&1 | tee $OUT/log
 
-`--checks kernels,gdn` (etc.) runs a subset; the repo need not be installed (see install_kernels_alias).
+and the train check (8 minutes at most: --train-timeout 480 by default):
+
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 540 python3 tools/gpu_selfcheck.py --checks train --out $OUT 2>&1 | tee $OUT/log
+
+`--checks kernels,gdn` (etc.) runs a subset, `--train` adds the train check to the others (it is not
+in the default set: it takes minutes, under its own --train-timeout); the repo need not be installed
+(see install_kernels_alias).
 
 Checks (each runs on its own; a failure prints its traceback and the next check still runs):
   kernels  our Triton kernels compiled for the GPU (token_logprobs with IS ratio + entropy, fresh and
@@ -30,9 +45,18 @@ Checks (each runs on its own; a failure prints its traceback and the next check 
            HF->Megatron loader: logits vs transformers on the same device, loss and backward (every
            parameter gets a finite gradient); reports which GDN kernels Megatron and HF used, and on
            CUDA the fla-vs-torch GDN difference inside the model.
+  train    (tools/selfcheck_train.py) both tiny models through the stack's entry points on the GPU,
+           NCCL at world size 1, the local engine on CUDA: 2 SFT steps (run_sft), the checkpoint
+           converted to HF and back (logits vs transformers, round trip bit for bit), every weight
+           delivery mode (tensor, distributed, disk) into a local engine server (sha256 per parameter
+           vs the export, version, greedy tokens vs transformers), 2 GRPO steps (run_grpo: rollouts
+           through the search agent, reward model, colocated sync); losses, grad norms, rewards,
+           response lengths and the final policy against the same SFT + GRPO run on CPU in a child
+           process (tolerances and why: that module's docstring).
 summary.json in --out is rewritten after every check.
 `--cpu-dry-run` runs every check's code on CPU with small shapes and the Triton interpreter (the fla
-check then reports 'skipped: needs CUDA'); tests/test_tools_gpu_selfcheck.py runs it.
+check then reports 'skipped: needs CUDA'; the train check's device side is a second CPU run);
+tests/test_tools_gpu_selfcheck.py runs it with --train.
 Exit status: 0 when no check failed, 1 otherwise.
 """
 from __future__ import annotations
@@ -51,7 +75,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS_PKG = "megatron_search.kernels"
-CHECKS = ("kernels", "gdn", "pytest", "models")  # models last: it is the one that starts NCCL
+CHECKS = ("kernels", "gdn", "pytest", "models")  # the default set; models last of these: it starts NCCL
+ALL_CHECKS = CHECKS + ("train",)  # train: minutes, its own timeout (--train adds it, --checks train runs it alone)
 
 
 class _KernelsAlias(importlib.abc.MetaPathFinder):
@@ -70,6 +95,17 @@ def install_kernels_alias() -> None:
         sys.meta_path.append(_KernelsAlias())
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))
+
+
+def child_env(folder: Path, hide_fla: bool = False) -> dict:
+    """Environment for child processes (and theirs) of an uninstalled checkout: a sitecustomize.py in
+    `folder` installs the kernels alias; with `hide_fla`, `import fla` fails and find_spec("fla") is
+    None in them (sys.modules["fla"] = None), so Megatron and transformers take their torch GDN."""
+    Path(folder, "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'tools')!r})\n"
+        "import gpu_selfcheck\ngpu_selfcheck.install_kernels_alias()\n"
+        + ("sys.modules['fla'] = None\n" if hide_fla else ""))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 
 @dataclass(frozen=True)
@@ -498,11 +534,7 @@ def check_pytest(chk: Check, s: Shapes, device, timeout_s: float, files: str) ->
     import subprocess
 
     with tempfile.TemporaryDirectory() as tmp:
-        # Children (and the interpreter test's own child) find megatron_search.kernels without an install.
-        Path(tmp, "sitecustomize.py").write_text(
-            f"import sys\nsys.path.insert(0, {str(REPO / 'tools')!r})\n"
-            "import gpu_selfcheck\ngpu_selfcheck.install_kernels_alias()\n")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = child_env(Path(tmp))  # children (and the interpreter test's own child) find megatron_search.kernels
         env.pop("TRITON_INTERPRET", None)  # real Triton where there is a GPU; the tests set it where they need it
         paths = sorted(str(p) for p in REPO.glob(files))
         if device.type == "cuda":  # the interpreter test is the CPU machines' stand-in for this check
@@ -519,12 +551,26 @@ def check_pytest(chk: Check, s: Shapes, device, timeout_s: float, files: str) ->
                                                + (proc.returncode != 0 and not counts)), 0.0, "count")
 
 
+# ---- 5. SFT + GRPO + conversion + weight delivery (tools/selfcheck_train.py) --------------------------
+
+def check_train(chk: Check, device, dry_run: bool, timeout_s: float) -> None:
+    import selfcheck_train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = child_env(Path(tmp), hide_fla=True)
+        # dry run: two children share the cores, one thread each (also keeps their reductions in one order)
+        env["OMP_NUM_THREADS"] = "1" if dry_run else os.environ.get("OMP_NUM_THREADS", "8")
+        selfcheck_train.check_train(chk, device, dry_run, env, timeout_s)
+
+
 # ---- driver ---------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for summary.json (created)")
-    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {CHECKS}")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {ALL_CHECKS}")
+    p.add_argument("--train", action="store_true", help="also run the train check (after the others)")
+    p.add_argument("--train-timeout", type=float, default=480.0, help="seconds for the whole train check")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run on CPU with small shapes and the Triton interpreter (for machines without a GPU)")
     p.add_argument("--pytest-files", default="tests/test_kernels_*.py")
@@ -533,8 +579,10 @@ def main(argv=None) -> int:
                    help="models check: torch.distributed backend of the 1-process group (auto: nccl on GPU)")
     args = p.parse_args(argv)
     checks = [c for c in args.checks.split(",") if c]
-    if set(checks) - set(CHECKS):
-        p.error(f"unknown checks {sorted(set(checks) - set(CHECKS))}; choose from {CHECKS}")
+    if args.train and "train" not in checks:
+        checks.append("train")
+    if set(checks) - set(ALL_CHECKS):
+        p.error(f"unknown checks {sorted(set(checks) - set(ALL_CHECKS))}; choose from {ALL_CHECKS}")
     if args.cpu_dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. before they are imported
         os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -559,7 +607,8 @@ def main(argv=None) -> int:
     print(json.dumps(env), flush=True)
     runners = {"kernels": lambda c: check_kernels(c, shapes, device), "gdn": lambda c: check_gdn(c, shapes, device),
                "models": lambda c: check_models(c, shapes, device, args.dist_backend),
-               "pytest": lambda c: check_pytest(c, shapes, device, args.pytest_timeout, args.pytest_files)}
+               "pytest": lambda c: check_pytest(c, shapes, device, args.pytest_timeout, args.pytest_files),
+               "train": lambda c: check_train(c, device, args.cpu_dry_run, args.train_timeout)}
     results = []
     for name in checks:
         chk, t0, status, error = Check(name), time.perf_counter(), None, None

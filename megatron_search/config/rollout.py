@@ -46,7 +46,10 @@ class SGLangConfig(Section):
 
 
 class LocalEngineConfig(Section):
-    """The CPU engine (rollout/local.py): the HF model under transformers, SGLang's HTTP API subset."""
+    """The local engine (rollout/local.py): the HF model under transformers, SGLang's HTTP API subset."""
+
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                        description="where the engine's model runs: cpu, cuda or cuda:N (one device per engine)")
 
     model_path: Optional[str] = Field(None, description="HF directory (config.json [+ safetensors]); None = model.hf_config")
     dtype: Optional[Literal["float32", "bfloat16"]] = Field(None, description="None = model.params_dtype")

@@ -74,16 +74,16 @@ class PhaseMemory:
 def colocated_phases(stage: StageMemory, ro: RolloutMemory, engine_fraction_bytes: float,
                      bucket_bytes: float) -> list[PhaseMemory]:
     """What stays resident in each phase, on the GPU of `stage`. The reward model has the policy's backbone and
-    layout (RECIPE 1) and stays resident throughout (train/grpo_colocate.py does not offload it); SGLang holds
+    layout (RECIPE 1); train/grpo_colocate.py keeps it on the GPU only while it scores; SGLang holds
     mem_fraction_static x GPU memory while its memory is not released; the engines are released before
     preference scoring. The scoring activations are bounded by the stage's training activations (an
     overestimate: scoring keeps no activations for a backward and has no vocabulary logits)."""
     rm = stage.weights
     return [
-        PhaseMemory("rollout", {"engine (weights + KV cache)": engine_fraction_bytes, "reward model": rm}),
+        PhaseMemory("rollout", {"engine (weights + KV cache)": engine_fraction_bytes}),
         PhaseMemory("preference scoring", {"reward model": rm, "reward model activations": stage.activations}),
-        PhaseMemory("training", {"trainer": stage.total, "reward model": rm}),
-        PhaseMemory("sync", {"trainer parameters": stage.weights, "engine weights": ro.weights, "reward model": rm,
+        PhaseMemory("training", {"trainer": stage.total}),
+        PhaseMemory("sync", {"trainer parameters": stage.weights, "engine weights": ro.weights,
                              "export buckets": 2 * bucket_bytes}),
     ]
 

@@ -3,7 +3,9 @@
     A_i = (R_i - mean_g R) / (std_g R + eps)      or, without std division,   A_i = R_i - mean_g R
 
 over the rollouts of each group g; every token of rollout i shares A_i. Vectorised over a flat
-batch with contiguous group ids (see rewards.groups), ragged groups allowed.
+batch with contiguous group ids (see rewards.groups), ragged groups allowed. The one implementation
+is the fused kernel (megatron_search.kernels.fused_group_advantages: Triton on CUDA, its torch
+reference elsewhere, float64 kept); this is its group-id front end with the batch checks.
 
 std_g is the sample standard deviation (ddof=1, what torch.std and most GRPO code use) unless
 `unbiased=False` (population std). A group whose rewards are all equal (including a group of
@@ -17,8 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megatron_search.kernels import fused_group_advantages, offsets_from_group_ids
+
 from ..rewards.gated import check_binary
-from ..rewards.groups import check_finite, check_flat, check_group_ids, group_max, group_sum
+from ..rewards.groups import check_finite, check_flat, check_group_ids, group_sum
 
 
 def group_advantages(
@@ -37,17 +41,10 @@ def group_advantages(
     k = check_group_ids(group_ids, rewards.numel())
     if eps < 0:
         raise ValueError(f"eps: must be >= 0, got {eps}")
-    count = group_sum(torch.ones_like(rewards), group_ids, k)
-    mean = group_sum(rewards, group_ids, k) / count
-    centered = rewards - mean[group_ids]
-    spread = group_max(rewards, group_ids, k) + group_max(-rewards, group_ids, k)  # max - min
-    constant = (spread == 0)[group_ids]
-    centered = torch.where(constant, torch.zeros_like(centered), centered)
-    if not std_normalize:
-        return centered
-    dof = (count - 1).clamp(min=1) if unbiased else count
-    std = (group_sum(centered * centered, group_ids, k) / dof).sqrt()
-    return torch.where(constant, centered, centered / (std[group_ids] + eps))
+    del k  # checked: contiguous ids 0..K-1, which is what the offsets need
+    offsets = offsets_from_group_ids(group_ids.to(torch.int64)).to(rewards.device)
+    out = fused_group_advantages(rewards, offsets, std_normalize=std_normalize, eps=eps, unbiased=unbiased)
+    return out.per_rollout.to(rewards.dtype)
 
 
 GROUP_FILTERS = ("none", "no_winner", "uniform_correctness")

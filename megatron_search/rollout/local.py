@@ -1,4 +1,4 @@
-"""The local CPU engine: SGLang's engine semantics over an HF transformers model, in process.
+"""The local engine: SGLang's engine semantics over an HF transformers model, in process.
 
 A scheduler task steps all in-flight requests together: new requests are prefilled one by one
 (reusing cached state: an earlier turn's sequence that prefixes the input, or for attention-only
@@ -6,7 +6,8 @@ models any shared head of it, cut at a block boundary), then every
 running request advances one token in a single batched forward (local_runner.py). Control
 operations (weight updates, flush, pause) take the same lock as a step, so they happen between
 steps, never inside one. Torch work runs in a worker thread so an HTTP server on the same event
-loop keeps answering.
+loop keeps answering. The model runs on `device` (CPU by default, or one CUDA device); sampling
+stays on the host (local_runner.py), so seeded requests give the same tokens on either.
 
 Logprobs are fp32 log-softmax of logits / temperature (the sampling distribution, before top-p
 truncation), or of the raw logits with `return_original_logprob` (SGLang's env switch of the
@@ -79,7 +80,7 @@ def sample_tokens(
 
 
 class LocalEngine(Engine):
-    """In-process CPU engine; `local_server.py` puts SGLang's HTTP API in front of it."""
+    """In-process engine (CPU or one CUDA device); `local_server.py` puts SGLang's HTTP API in front of it."""
 
     def __init__(
         self,
@@ -91,9 +92,11 @@ class LocalEngine(Engine):
         prefix_cache_block: int = 32,
         weight_version: str = "default",
         return_original_logprob: bool = False,
+        device: str | torch.device = "cpu",
     ):
         self.model_path = str(model_path)
-        self.runner = ModelRunner(load_hf_model(model_path, dtype=dtype, seed=seed))
+        self.device = torch.device(device)
+        self.runner = ModelRunner(load_hf_model(model_path, dtype=dtype, seed=seed, device=self.device))
         self.vocab_size = int(self.runner.config.vocab_size)
         self.seed = seed
         self.max_running = max_running_requests
@@ -111,12 +114,13 @@ class LocalEngine(Engine):
         self._released: set[str] = set()
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._groups: dict[str, object] = {}
+        self._group_devices: dict[str, torch.device] = {}  # where each group's broadcasts land (CUDA for NCCL)
         self._session = False  # a weight-update session is open (begin/end_weight_update)
         self.steps = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "LocalEngine":
-        """Build from the root Config (rollout.local + model sections)."""
+    def from_config(cls, cfg, device: Optional[str | torch.device] = None) -> "LocalEngine":
+        """Build from the root Config (rollout.local + model sections) on `device` (default rollout.local.device)."""
         lc = cfg.rollout.local
         path = lc.model_path or cfg.model.checkpoint or str(cfg.model.resolved_hf_config())
         return cls(
@@ -124,6 +128,7 @@ class LocalEngine(Engine):
             max_running_requests=lc.max_running_requests, prefix_cache_entries=lc.prefix_cache_entries,
             prefix_cache_block=lc.prefix_cache_block,
             weight_version=lc.weight_version, return_original_logprob=cfg.rollout.return_original_logprob,
+            device=lc.device if device is None else device,
         )
 
     # -- scheduler ---------------------------------------------------------------------------
@@ -318,14 +323,17 @@ class LocalEngine(Engine):
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                         group_name="weight_update_group", backend="gloo"):
-        if backend != "gloo":
-            raise EngineError(f"init_weights_update_group: the CPU engine supports backend 'gloo', not {backend!r}")
+        if backend not in ("gloo", "nccl"):
+            raise EngineError(f"init_weights_update_group: backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise EngineError(f"init_weights_update_group: backend 'nccl' needs the engine on a CUDA device (this one "
+                              f"runs on {self.device}; rollout.local.device)")
         if group_name in self._groups:
             raise EngineError(f"init_weights_update_group: group {group_name!r} already exists")
         # Joining blocks until the trainer joins too: do it off the event loop, outside the step lock.
         try:
             group = await asyncio.to_thread(open_weight_group, master_address, int(master_port), int(rank_offset),
-                                            int(world_size), group_name)
+                                            int(world_size), group_name, backend)
         except RuntimeError as e:
             if "already registered" not in str(e):
                 raise
@@ -333,6 +341,7 @@ class LocalEngine(Engine):
                               f"engine in its trainer's own process cannot join the trainer's group (use the tensor "
                               f"or disk path, or serve the engine in its own process)") from None
         self._groups[group_name] = group
+        self._group_devices[group_name] = self.device if backend == "nccl" else torch.device("cpu")
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
                                               weight_version=None, flush_cache=True, abort_all_requests=False,
@@ -347,7 +356,7 @@ class LocalEngine(Engine):
 
         def run():
             receive = receive_flat_bucket if load_format == FLAT else receive_named_tensors
-            named = receive(group, names, torch_dtypes, shapes)
+            named = receive(group, names, torch_dtypes, shapes, device=self._group_devices[group_name])
             load_named_tensors(self.runner.model, named)
             self._after_update(weight_version, flush_cache)
         await self._control(run, abort_all=abort_all_requests)
@@ -356,6 +365,7 @@ class LocalEngine(Engine):
         group = self._groups.pop(group_name, None)
         if group is None:
             raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
+        self._group_devices.pop(group_name, None)
         close_weight_group(group)
 
     async def flush_cache(self) -> None:
@@ -404,7 +414,9 @@ class LocalEngine(Engine):
             if "weights" in tags and "weights" not in self._released:
                 for name, p in self.runner.model.named_parameters():
                     self._weight_shapes[name] = (p.shape, p.dtype)
-                    p.data = torch.empty(0, dtype=p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self.device.type == "cuda":  # hand the freed blocks back to the driver, for the colocated trainer
+                torch.cuda.empty_cache()
             self._released |= tags
 
     async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
@@ -418,7 +430,7 @@ class LocalEngine(Engine):
                 # Like SGLang without a CPU backup: memory comes back, contents must be pushed again.
                 for name, p in self.runner.model.named_parameters():
                     shape, dtype = self._weight_shapes[name]
-                    p.data = torch.zeros(shape, dtype=dtype)
+                    p.data = torch.zeros(shape, dtype=dtype, device=self.device)
             self._released -= tags
         self._wake.set()
 

@@ -1,4 +1,4 @@
-"""Forward passes of the local CPU engine: an HF transformers MoE model with per-request state.
+"""Forward passes of the local engine: an HF transformers MoE model with per-request state.
 
 Each request owns its cache rows (`SeqState`, batch dimension 1): KV for attention layers,
 conv + recurrent state for Gated DeltaNet layers. A decode step stacks the rows of all running
@@ -6,9 +6,14 @@ requests into one transformers `DynamicCache` (attention KV left-padded to the l
 a padding mask and each row's true position), runs ONE batched forward, and splits the cache
 back. Prefill runs per request (padding would leak into the GDN recurrence). Router top-k
 indices are captured by forward hooks, one row per fed token, for routing replay.
+
+Device: the model, its cache rows and the fed ids live on the model's device (CPU by default, or
+one CUDA device); logits come back to the host as fp32, where the engine samples with its
+per-request CPU generators, so a seeded request draws the same tokens on any device.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,9 +29,11 @@ _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(path: str | Path, dtype: str = "float32", seed: int = 0) -> torch.nn.Module:
-    """The HF model at `path` (a config.json directory): safetensors weights when present,
-    otherwise a seeded random initialisation (the tiny test models ship only a config)."""
+def load_hf_model(path: str | Path, dtype: str = "float32", seed: int = 0,
+                  device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The HF model at `path` (a config.json directory) on `device`: safetensors weights when present,
+    otherwise a seeded random initialisation on the host (the tiny test models ship only a config),
+    so the same seed gives the same weights on every device."""
     path = Path(path)
     if path.is_file():
         path = path.parent
@@ -44,7 +51,7 @@ def load_hf_model(path: str | Path, dtype: str = "float32", seed: int = 0) -> to
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = cls(cfg).to(torch_dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def text_config(model: torch.nn.Module):
@@ -147,8 +154,12 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.device = next(model.parameters()).device
         self.config = text_config(model)
         self.layer_types = self._layer_types()
+        # transformers renamed forward's `past_key_values` to `cache` (5.2x; the old name warns until 5.40):
+        # pass whichever this version's model takes, so older images (5.17) run the engine too
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._routers = self._find_routers()
         self._captured: dict[int, torch.Tensor] = {}
         for layer_idx, module in self._routers:
@@ -212,7 +223,7 @@ class ModelRunner:
         if not self._routers:
             return None
         cols = [self._captured.pop(i) for i, _ in self._routers]
-        return torch.stack(cols, dim=1).to(torch.int32).numpy()  # [rows, L, K]
+        return torch.stack(cols, dim=1).to(torch.int32).cpu().numpy()  # [rows, L, K]
 
     # -- forward passes ---------------------------------------------------------------------
     def _cache_from(self, states: list[SeqState]) -> tuple[DynamicCache, list[int]]:
@@ -250,36 +261,36 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, tokens: list[int], prefix: Optional[SeqState] = None) -> tuple[SeqState, torch.Tensor]:
-        """Feed `tokens` after `prefix` (or from scratch); returns the new state and fp32 logits [V]."""
+        """Feed `tokens` after `prefix` (or from scratch); returns the new state and fp32 host logits [V]."""
         start = len(prefix.tokens) if prefix else 0
         if prefix:
             cache, _ = self._cache_from([prefix])
         else:
             cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([tokens], dtype=torch.long)
-        pos = torch.arange(start, start + len(tokens), dtype=torch.long)[None]
-        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(tokens), dtype=torch.long, device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         experts = self._take_experts()
         state = SeqState(
             tokens=(prefix.tokens if prefix else []) + list(tokens),
             layers=self._rows_of(cache, 0, 0),  # the forward grew `cache` in place
             experts=(list(prefix.experts) if prefix else []) + ([experts] if experts is not None else []),
         )
-        return state, out.logits[0, -1].float()
+        return state, out.logits[0, -1].float().cpu()
 
     @torch.no_grad()
     def decode(self, states: list[SeqState], next_tokens: list[int]) -> tuple[list[SeqState], torch.Tensor]:
-        """Feed one token per state in a single batched forward; returns new states and fp32 logits [B, V]."""
+        """Feed one token per state in a single batched forward; returns new states and fp32 host logits [B, V]."""
         cache, pads = self._cache_from(states)
         longest = len(states[0].tokens) + pads[0]
         mask = torch.ones(len(states), longest + 1, dtype=torch.long)
         for r, p in enumerate(pads):
             mask[r, :p] = 0
-        ids = torch.tensor(next_tokens, dtype=torch.long)[:, None]
-        pos = torch.tensor([len(s.tokens) for s in states], dtype=torch.long)[:, None]
+        ids = torch.tensor(next_tokens, dtype=torch.long, device=self.device)[:, None]
+        pos = torch.tensor([len(s.tokens) for s in states], dtype=torch.long, device=self.device)[:, None]
         out = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask if any(pads) else None,
-            cache=cache, use_cache=True, logits_to_keep=1,
+            input_ids=ids, position_ids=pos, attention_mask=mask.to(self.device) if any(pads) else None,
+            use_cache=True, logits_to_keep=1, **{self._cache_kw: cache},
         )
         experts = self._take_experts()
         new_states = []
@@ -291,4 +302,4 @@ class ModelRunner:
                     experts=s.experts + ([experts[r : r + 1]] if experts is not None else []),
                 )
             )
-        return new_states, out.logits[:, -1].float()
+        return new_states, out.logits[:, -1].float().cpu()

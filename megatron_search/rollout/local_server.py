@@ -8,7 +8,7 @@ Same paths, request fields and response shapes as SGLang, so `SGLangClient` driv
 /get_model_info, /get_weight_version, and OpenAI-compatible /v1/chat/completions.
 Binds 127.0.0.1 unless told otherwise.
 
-Run: python -m megatron_search.rollout.local_server [config.yaml] [key=value ...] [--port N]
+Run: python -m megatron_search.rollout.local_server [config.yaml] [key=value ...] [--port N] [--device cuda]
 """
 from __future__ import annotations
 
@@ -346,13 +346,14 @@ async def serve(engine: LocalEngine, host: str, port: int, chat=None, port_file:
 def main(argv: Optional[list[str]] = None) -> int:
     from megatron_search.config import ConfigError, load_config
 
-    p = argparse.ArgumentParser(description="Local CPU engine with SGLang's HTTP API")
+    p = argparse.ArgumentParser(description="Local engine (CPU or one CUDA device) with SGLang's HTTP API")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: the tiny CPU model)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     p.add_argument("--host", default=None, help="default: rollout.local.host (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default: rollout.local.port (0 = free port)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--tokenizer", default=None, help="tokenizer for /v1/chat/completions; default: model.tokenizer")
+    p.add_argument("--device", default=None, help="where the model runs: cpu, cuda or cuda:N; default rollout.local.device")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     config = args.config
@@ -365,7 +366,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LocalEngine.from_config(cfg)
+    device = args.device or cfg.rollout.local.device
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"error: device {device} (--device / rollout.local.device): no CUDA device is visible",
+                  file=sys.stderr)
+            return 2
+        # fp32 means fp32: the IS ratio compares these logprobs with fp32 training (no TF32 matmuls or convs)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    engine = LocalEngine.from_config(cfg, device=device)
     from .chat_endpoint import ChatEndpoint
 
     chat = ChatEndpoint.from_config(cfg, args.tokenizer)

@@ -379,14 +379,16 @@ def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: st
 
 def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
                         timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None,
-                        host: str = "127.0.0.1") -> ServerProcess:
-    """Start the local CPU engine server on `host` (free port) and wait until it is healthy."""
+                        host: str = "127.0.0.1", device: Optional[str] = None) -> ServerProcess:
+    """Start the local engine server on `host` (free port; model on `device`, default CPU) and wait until it is healthy."""
     port_file = Path(str(log_path) + ".port")
     port_file.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
     argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file)]
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
+    if device:
+        argv += ["--device", device]
     server = ServerProcess(argv, log_path, env)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():

@@ -66,14 +66,15 @@ def send_named_tensors(group: dist.ProcessGroup, named: Sequence[tuple[str, torc
 
 
 def receive_named_tensors(
-    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
-    """Engine side: receive one broadcast per announced name from rank 0."""
+    """Engine side: receive one broadcast per announced name from rank 0, into buffers on `device` (CUDA for NCCL)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
     out = []
     for name, dt, shape in zip(names, dtypes, shapes):
-        out.append((name, broadcast(group, torch.empty(tuple(shape), dtype=dt), src=0)))
+        out.append((name, broadcast(group, torch.empty(tuple(shape), dtype=dt, device=device), src=0)))
     return out
 
 
@@ -88,15 +89,16 @@ def send_flat_bucket(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.
 
 
 def receive_flat_bucket(
-    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+    group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+    device: torch.device | str = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
-    """Engine side of "flattened_bucket": one broadcast, split at the announced sizes."""
+    """Engine side of "flattened_bucket": one broadcast into a buffer on `device`, split at the announced sizes."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
     if not names:
         return []
     sizes = [dt.itemsize * int(torch.Size(shape).numel()) for dt, shape in zip(dtypes, shapes)]
-    flat = broadcast(group, torch.empty(sum(sizes), dtype=torch.uint8), src=0)
+    flat = broadcast(group, torch.empty(sum(sizes), dtype=torch.uint8, device=device), src=0)
     out = []
     for name, dt, shape, part in zip(names, dtypes, shapes, torch.split(flat, sizes)):
         if part.storage_offset() % dt.itemsize:  # mixed dtypes: realign before the view

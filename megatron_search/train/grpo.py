@@ -83,7 +83,8 @@ class GRPORun:
         self.resumed = bool(extra)
         urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
-        self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver)
+        self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver,
+                                       reward_model_chunks=self.preference.scorer.chunks)
         self.scatter = BatchScatter(moe_layers=[layer for layer, _ in moe_routers(self.trainer.model)])
 
     def _build_driver(self, extra: dict) -> None:

@@ -2,18 +2,19 @@
 
 Per step, in this order (the phases are logged to <output_dir>/colocate_phases.jsonl with the bytes
 each side holds, and timed as time/release_s, time/resume_s, time/offload_s):
-  rollout   the trainer's parameters, gradient buffers and optimizer state are offloaded to host
-            (train/offload.py); the engines hold weights and KV cache and generate
+  rollout   the trainer's parameters, gradient buffers and optimizer state, and the reward model's
+            parameters, are offloaded to host (train/offload.py); the engines hold weights and KV cache
+            and generate
   scoring   once rollouts and reference answers are in, the engines release weights and KV cache
-            (release_memory_occupation; they are idle: every rollout has finished) before the reward
-            model scores on the training ranks
-  train     the trainer's state comes back, the policy trains
+            (release_memory_occupation; they are idle: every rollout has finished) and the reward
+            model comes back to score on the training ranks
+  train     the reward model leaves again, the trainer's state comes back, the policy trains
   sync      gradients and optimizer state leave first (the export needs only the parameters), then the
             engines get their weight memory back (resume_memory_occupation(weights): contents
             undefined until pushed), the weight sync pushes the new policy, then the KV cache returns;
             the parameters leave at the next rollout phase
 A step without signal trains nothing; its engines still come back before the push. The reward model
-(on the training ranks) stays resident; it is not offloaded yet.
+(as large as the policy, RECIPE 1, on the training ranks) is resident only while it scores.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from .offload import StateOffloader
 
 
 class ColocatedCycle:
-    def __init__(self, cfg, trainer, driver, out_dir: Path, is_driver: bool):
+    def __init__(self, cfg, trainer, driver, out_dir: Path, is_driver: bool, reward_model_chunks=()):
         self.enabled = cfg.rollout.mode == "colocated"
         self.offloader = StateOffloader(list(trainer.ddp), trainer.optimizer)
+        self.rm = StateOffloader(list(reward_model_chunks), None)  # parameters only: it never trains here
         self.driver, self.is_driver = driver, is_driver
         self.log = out_dir / "colocate_phases.jsonl"
         self.released = False
@@ -47,6 +49,7 @@ class ColocatedCycle:
             return
         with self._timed("time/offload_s"):
             self.offloader.offload()  # what is still resident: the parameters after a sync, all of it at the start
+            self.rm.offload(("params",))
         self._record(step, "rollout")
 
     def to_scoring(self, step: int) -> None:
@@ -56,13 +59,16 @@ class ColocatedCycle:
         with self._timed("time/release_s"):
             self._engines("release_memory_occupation", ["weights", "kv_cache"])
         self.released = True
+        with self._timed("time/offload_s"):
+            self.rm.reload(("params",))
         self._record(step, "scoring")
 
     def to_train(self, step: int) -> None:
-        """Before the policy step: the trainer's state returns."""
+        """Before the policy step: the reward model leaves, the trainer's state returns."""
         if not self.enabled:
             return
         with self._timed("time/offload_s"):
+            self.rm.offload(("params",))
             self.offloader.reload()
         self._record(step, "train")
 
@@ -72,6 +78,7 @@ class ColocatedCycle:
         if not self.enabled:
             return
         with self._timed("time/offload_s"):
+            self.rm.offload(("params",))  # a step without signal went from scoring straight here
             self.offloader.offload(("grads", "optimizer"))
             self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
         if self.released:
@@ -122,6 +129,7 @@ class ColocatedCycle:
 
         engines = self.driver.run(memory())
         row = {"step": step, "phase": phase, "trainer_bytes": self.offloader.resident_bytes(),
+               "reward_model_bytes": self.rm.resident_bytes(),
                "engine_weights_bytes": [m["weights"] if m else None for m in engines],
                "engine_kv_cache_bytes": [m["kv_cache"] if m else None for m in engines]}
         with open(self.log, "a") as f:
