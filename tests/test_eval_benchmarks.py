@@ -74,3 +74,66 @@ def test_subsample_is_deterministic_nested_and_order_preserving():
     assert {e.id for e in subsample(list(reversed(ex)), 10, 7)} == want  # independent of file order
     assert subsample(ex, 0, 7) == ex and subsample(ex, 99, 7) == ex
     assert {e.id for e in subsample(ex, 10, 8)} != want
+
+
+FRAMES_ROWS = [  # (index, question, answer, wikipedia_link_1, wikipedia_link_11+, reasoning_types, wiki_links)
+    ("0", "Which bridge did the second mayor of Quarnby open?", "Ellow Bridge", "https://en.wikipedia.org/wiki/A", "",
+     "Multiple constraints", '["https://en.wikipedia.org/wiki/A"]'),
+    ("1", "How many years after 1901 did the Dunmere gallery open?", "1", "", "https://en.wikipedia.org/wiki/D",
+     "Numerical reasoning", "[]"),
+]
+FRAMES_TAIL = ["wikipedia_link_1", "wikipedia_link_11+", "reasoning_types", "wiki_links"]
+
+
+def write_table(path, header, rows, delimiter):
+    import csv
+
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f, delimiter=delimiter)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def test_frames_csv_copy_reads_like_the_upstream_tsv(tmp_path):
+    from megatron_search.eval.benchmarks import frames_layout
+
+    tsv = write_table(tmp_path / "test.tsv", ["", "Prompt", "Answer"] + FRAMES_TAIL, FRAMES_ROWS, "\t")
+    csv_copy = write_table(tmp_path / "frames.csv", ["Unnamed: 0", "question", "true_answer"] + FRAMES_TAIL,
+                           FRAMES_ROWS, ",")
+    assert (frames_layout(tsv), frames_layout(csv_copy)) == ("upstream", "csv_copy")
+    up, copy = load_benchmark("frames", tsv), load_benchmark("frames", csv_copy)
+    # ids by hand: frames-<first 12 hex digits of sha256(question)>, the same in both layouts
+    want_ids = ["frames-" + hashlib.sha256(r[1].encode()).hexdigest()[:12] for r in FRAMES_ROWS]
+    assert [e.id for e in up] == [e.id for e in copy] == want_ids
+    assert [e.answers for e in copy] == [("Ellow Bridge",), ("1",)]
+    assert copy[0].question == "Which bridge did the second mayor of Quarnby open?"
+    assert copy[0].metadata["wikipedia_links"] == ["https://en.wikipedia.org/wiki/A"]
+    assert copy[1].metadata["wikipedia_links"] == ["https://en.wikipedia.org/wiki/D"]  # the 11+ column counts too
+    assert copy[1].metadata["reasoning_types"] == "Numerical reasoning"
+    assert [e.metadata for e in up] == [e.metadata for e in copy]  # locations included: line 2, line 3
+    assert {e.benchmark for e in copy} == {"frames"}
+    # the layout is told by the header, not the suffix: the copy's columns in a .tsv, upper-cased, load too
+    odd = write_table(tmp_path / "copy.tsv", ["QUESTION", "True_Answer"] + FRAMES_TAIL,
+                      [r[1:] for r in FRAMES_ROWS], "\t")
+    assert [(e.id, e.answers) for e in load_benchmark("frames", odd)] == [(e.id, e.answers) for e in copy]
+
+
+def test_frames_bad_headers_and_rows_name_the_file(tmp_path):
+    bad = write_table(tmp_path / "other.csv", ["id", "query", "gold"], [("1", "Q?", "A")], ",")
+    with pytest.raises(DataError) as e:
+        load_benchmark("frames", bad)
+    msg = str(e.value)
+    assert str(bad) in msg and "columns found: ['id', 'query', 'gold']" in msg
+    assert "Prompt + Answer (upstream) or question + true_answer (csv_copy)" in msg
+    both = write_table(tmp_path / "both.csv", ["Prompt", "Answer", "question", "true_answer"],
+                       [("a", "b", "c", "d")], ",")
+    with pytest.raises(DataError, match="columns of both layouts"):
+        load_benchmark("frames", both)
+    empty_answer = write_table(tmp_path / "gap.csv", ["question", "true_answer"], [("Q1?", "A1"), ("Q2?", "")], ",")
+    with pytest.raises(DataError, match=r"gap.csv:3: example 'frames-[0-9a-f]{12}' has no gold answer"):
+        load_benchmark("frames", empty_answer)
+    short = tmp_path / "short.csv"
+    short.write_text("question,true_answer,reasoning_types\nQ1?,A1\n")
+    with pytest.raises(DataError, match=r"short.csv:2: bad frames row: 2 fields, header has 3"):
+        load_benchmark("frames", short)

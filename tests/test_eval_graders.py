@@ -4,8 +4,8 @@ import asyncio
 import pytest
 
 from megatron_search.data.llm_client import ChatReply
-from megatron_search.eval.graders import (LLMJudgeGrader, MatchGrader, is_abstention, parse_frames_decision,
-                                          parse_simpleqa_grade, simpleqa_summary)
+from megatron_search.eval.graders import (LLMJudgeGrader, MatchGrader, is_abstention, parse_facts_verdict,
+                                          parse_frames_decision, parse_simpleqa_grade, simpleqa_summary)
 
 
 class ScriptedJudge:
@@ -47,6 +47,20 @@ def test_parse_simpleqa_grade(reply, want):
 ])
 def test_parse_frames_decision(reply, want):
     assert parse_frames_decision(reply) == want
+
+
+@pytest.mark.parametrize("reply,want", [
+    ("The response names the reference river.\nVerdict: CORRECT", "CORRECT"),
+    ("It says A or B without choosing.\nverdict: not attempted", "NOT_ATTEMPTED"),
+    ("Gives only one of the two founders.\nVerdict: **INCORRECT**", "INCORRECT"),
+    ("Not CORRECT at first sight, but it is. Verdict: CORRECT", "CORRECT"),  # the labelled line wins
+    ("Grade: CORRECT", "CORRECT"),  # a single grade word without the label still counts
+    ("CORRECT or INCORRECT, unclear", None),
+    ("B", None),  # SimpleQA's letter replies are not part of this protocol
+    ("", None),
+])
+def test_parse_facts_verdict(reply, want):
+    assert parse_facts_verdict(reply) == want
 
 
 def test_match_grader_grades_and_scores():
@@ -91,6 +105,35 @@ def test_llm_judge_frames_protocol():
     assert [o.judge for o in out] == ["TRUE", "FALSE", "FALSE", None]
     assert out[3].judge_malformed
     assert "Ground-truth answer: Jane Ballou" in judge.prompts[0]
+
+
+def test_llm_judge_facts_protocol():
+    judge = ScriptedJudge(["Verdict: CORRECT", "Both parts are needed.\nVerdict: INCORRECT",
+                           "It does not commit.\nVerdict: NOT_ATTEMPTED", "no verdict here"])
+    g = LLMJudgeGrader(judge)
+    gold = ["Ivo Brand and Orrin Vale"]
+    preds = ["Talbeck Works was founded by Ivo Brand and Orrin Vale [1].", "Ivo Brand.",
+             "Sources disagree: it may be Ivo Brand or someone else.", "Ivo Brand and Orrin Vale"]
+    out = [asyncio.run(g.grade("facts", "Name the two founders of Talbeck Works.", gold, p)) for p in preds]
+    assert [o.grade for o in out] == ["CORRECT", "INCORRECT", "NOT_ATTEMPTED", "INCORRECT"]
+    assert [o.judge for o in out] == ["CORRECT", "INCORRECT", "NOT_ATTEMPTED", None]
+    assert [o.judge_malformed for o in out] == [False, False, False, True]
+    assert {o.protocol for o in out} == {"facts"}
+    first = judge.prompts[0]  # the Facts Open prompt, not SimpleQA's
+    assert "Reference answer: Ivo Brand and Orrin Vale" in first and "every part must be given" in first
+    assert "Assistant's response: Talbeck Works was founded by Ivo Brand and Orrin Vale [1]." in first
+    assert "Verdict: NOT_ATTEMPTED" in first and "Gold answer:" not in first
+    # no final answer: NOT_ATTEMPTED under the set's protocol, judge not asked
+    none = asyncio.run(g.grade("facts", "q", ["x"], None))
+    assert (none.grade, none.protocol, len(judge.prompts)) == ("NOT_ATTEMPTED", "facts", 4)
+    # protocols are chosen by set name: a renamed set is mapped explicitly, other sets get SimpleQA's
+    g2 = LLMJudgeGrader(ScriptedJudge(["Verdict: CORRECT", "Grade: CORRECT"]), protocols={"facts_open": "facts"})
+    assert [g2.protocol(b) for b in ("facts_open", "facts", "frames", "demo")] == ["facts", "simpleqa", "simpleqa", "simpleqa"]
+    assert asyncio.run(g2.grade("facts_open", "q", ["x"], "x")).protocol == "facts"
+    assert asyncio.run(g2.grade("demo", "q", ["x"], "x")).protocol == "simpleqa"
+    with pytest.raises(ValueError, match="unknown protocol"):
+        LLMJudgeGrader(judge, protocols={"facts": "facts_grounding"})
+    assert asyncio.run(MatchGrader("exact").grade("facts", "q", ["x"], "x")).protocol == "exact"
 
 
 def test_simpleqa_summary_by_hand():

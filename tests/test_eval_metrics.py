@@ -74,6 +74,24 @@ def test_cost_by_hand_and_price_table_errors(tmp_path):
         load_prices(bad)
 
 
+def test_comparison_model_prices_are_dated_and_cost_by_hand():
+    table = load_prices()
+    got = {k: (table[k].input_usd_per_1m, table[k].output_usd_per_1m, table[k].date)
+           for k in ("gpt-5.4", "claude-sonnet-4.6", "qwen3.5-plus", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b")}
+    assert got == {"gpt-5.4": (2.5, 15.0, "2026-03-05"), "claude-sonnet-4.6": (3.0, 15.0, "2026-02-17"),
+                   "qwen3.5-plus": (0.4, 2.4, "2026-02-16"), "qwen3.5-397b-a17b": (0.6, 3.6, "2026-04-27"),
+                   "qwen3.5-122b-a10b": (0.4, 3.2, "2026-04-27")}
+    assert all(table[k].source.startswith("https://") for k in got)
+    assert all("secondary source" in table[k].note for k in ("qwen3.5-plus", "qwen3.5-397b-a17b", "qwen3.5-122b-a10b"))
+    assert "secondary" not in table["gpt-5.4"].note + table["claude-sonnet-4.6"].note  # read from the vendors' pages
+    # 30,000 tokens in and 1,000 out (a few searches): GPT-5.4 $0.075 + $0.015 = 9.0 cents; Sonnet 4.6
+    # $0.090 + $0.015 = 10.5 cents; Qwen3.5-397B-A17B on Model Studio $0.018 + $0.0036 = 2.16 cents
+    assert cents_per_query(30_000, 1_000, table["gpt-5.4"]) == pytest.approx(9.0)
+    assert cents_per_query(30_000, 1_000, table["claude-sonnet-4.6"]) == pytest.approx(10.5)
+    assert cents_per_query(30_000, 1_000, table["qwen3.5-397b-a17b"]) == pytest.approx(2.16)
+    assert table["gpt-5"].note == ""  # the note is optional
+
+
 def test_sbs_pairs_and_metric():
     rows = [row(model="cand", i="a", pred="A1"), row(model="cand", i="b", pred=None), row(model="cand", i="c", pred="C1"),
             row(model="base", i="a", pred="A0"), row(model="base", i="b", pred="B0"), row(model="base", i="c", b=2, pred="C0")]
@@ -138,3 +156,10 @@ def test_paired_accuracy_difference_by_hand():
     assert out["stderr"] == pytest.approx((1 / 9 / 3) ** 0.5)
     one = paired_accuracy_difference(rows({"a": [1]}), rows({"a": [0]}))
     assert one == {"difference": 1.0, "stderr": 0.0, "questions": 1}
+
+
+def test_curve_names_the_grading_protocols_of_its_rows():
+    rows = [dict(row(i="a"), protocol="facts"), dict(row(i="b"), protocol="facts")]
+    assert budget_curve(rows)["m"]["demo"][1]["protocols"] == ["facts"]
+    # a row from before results recorded the protocol shows up, so a mixed (resumed) run is visible
+    assert budget_curve(rows + [row(i="c")])["m"]["demo"][1]["protocols"] == ["facts", "unrecorded"]

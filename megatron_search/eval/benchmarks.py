@@ -1,9 +1,13 @@
-"""Evaluation sets: SimpleQA (CSV), FRAMES (TSV), FACTS-style JSONL and converted QA sets, one schema.
+"""Evaluation sets: SimpleQA (CSV), FRAMES (TSV or CSV copy), FACTS-style JSONL and converted QA sets, one schema.
 
 Every loader returns `EvalExample`s (id, question, gold answers, benchmark, metadata). Layouts
 (FACTS.md): SimpleQA `metadata,problem,answer`; FRAMES `Prompt, Answer, wikipedia_link_1..,
 reasoning_types, wiki_links` (both through data/public.py's converters, so eval and the train/eval
-overlap filter read them identically); converted sets are the common QARecord JSONL (data/records.py),
+overlap filter read them identically). FRAMES also comes as a widespread CSV copy whose question and answer
+columns are `question` / `true_answer` (the rest as upstream): the layout is told by the header, not the file
+suffix; that copy's rows are renamed to the upstream columns and go through the same row converter and id rule
+(ids are frames-<sha256(question)[:12]> in both, so results on file carry over), while any other header is an
+error naming the file and the columns found. converted sets are the common QARecord JSONL (data/records.py),
 optionally filtered to one split. "Facts Open" is most likely the public split of FACTS Search
 (not confirmed, FACTS.md), so its loader accepts the usual field names of such JSONL files:
 question in `question`/`prompt`/`user_request`/`problem`, gold in `answers`/`answer`/
@@ -15,6 +19,7 @@ examples), so partial runs at different limits share their results. The original
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -22,12 +27,16 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_search.data.jsonl import DataError, read_jsonl
-from megatron_search.data.public import convert_file
+from megatron_search.data.public import CONVERTERS, convert_file
 from megatron_search.data.records import QARecord
+from megatron_search.data.tables import read_rows
 
 KINDS = ("simpleqa", "frames", "facts", "records")
 _FACTS_QUESTION = ("question", "prompt", "user_request", "problem")
 _FACTS_ANSWER = ("answers", "answer", "gold_answer", "ground_truth")
+# FRAMES layouts, told apart by their question/answer columns (matched case-insensitively)
+FRAMES_LAYOUTS = {"upstream": ("Prompt", "Answer"), "csv_copy": ("question", "true_answer")}
+_CSV_COPY_TO_UPSTREAM = {"question": "Prompt", "true_answer": "Answer"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,56 @@ def load_simpleqa(path: str | Path) -> list[EvalExample]:
     return _unique([_from_record(r, "simpleqa", str(path)) for r in convert_file("simpleqa", str(path))], path)
 
 
+def _columns(path: str | Path) -> list[str]:
+    """The column names of a table file: its header line for .csv/.tsv, else the keys of its first row."""
+    p = Path(path)
+    if p.suffix.lower() in (".csv", ".tsv"):
+        with open(p, encoding="utf-8", newline="") as f:
+            header = next(csv.reader(f, delimiter="\t" if p.suffix.lower() == ".tsv" else ","), [])
+        return [c.lstrip("\ufeff") for c in header]
+    for _, row in read_rows(p):
+        return [] if "__error__" in row else [str(k) for k in row]
+    return []
+
+
+def frames_layout(path: str | Path) -> str:
+    """"upstream" (Prompt / Answer) or "csv_copy" (question / true_answer), from the header; else DataError."""
+    cols = _columns(path)
+    have = {c.strip().lower() for c in cols}
+    found = [name for name, need in FRAMES_LAYOUTS.items() if {n.lower() for n in need} <= have]
+    if len(found) == 1:
+        return found[0]
+    want = " or ".join(f"{' + '.join(need)} ({name})" for name, need in FRAMES_LAYOUTS.items())
+    why = "has the columns of both layouts" if found else "has neither layout's question/answer columns"
+    raise DataError(f"{path}: not a FRAMES file this loader reads: its header {why}; expected {want}, "
+                    f"case-insensitive; columns found: {cols}")
+
+
+def _frames_csv_copy(path: str | Path) -> list[EvalExample]:
+    """The CSV copy, row by row through data/public.py's FRAMES converter after renaming its two columns."""
+    out = []
+    for loc, row in read_rows(path):
+        where = f"{path}:{loc.split()[-1]}" if loc.startswith("line") else f"{path} ({loc})"
+        try:
+            if "__error__" in row:
+                raise ValueError(row["__error__"])
+            renamed = {_CSV_COPY_TO_UPSTREAM.get(str(k).lstrip("\ufeff").strip().lower(), k): v for k, v in row.items()}
+            question, answers, meta, _ = CONVERTERS["frames"](renamed)
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError("empty question")
+        except (KeyError, ValueError, TypeError) as e:
+            raise DataError(f"{where}: bad frames row: {str(e).strip(chr(39))}") from None
+        rid = "frames-" + hashlib.sha256(question.strip().encode()).hexdigest()[:12]  # convert_file's id rule
+        if not answers:
+            raise DataError(f"{where}: example {rid!r} has no gold answer")
+        out.append(EvalExample(rid, question.strip(), tuple(answers), "frames", dict(meta, location=loc)))
+    return out
+
+
 def load_frames(path: str | Path) -> list[EvalExample]:
+    """FRAMES in either layout (module docstring)."""
+    if frames_layout(path) == "csv_copy":
+        return _unique(_frames_csv_copy(path), path)
     return _unique([_from_record(r, "frames", str(path)) for r in convert_file("frames", str(path))], path)
 
 

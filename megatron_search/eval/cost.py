@@ -1,7 +1,8 @@
 """Cost per query from recorded token counts and a list-price table (RECIPE 8).
 
 The table (eval/prices.yaml, or eval.prices) maps a price name to USD per 1M input and output
-tokens, the date the figures were taken and their source. cents/query = (tokens_in * input +
+tokens, the date the figures were taken and their source, and optionally a note (a secondary source, a
+long-context tier the flat rate does not model). cents/query = (tokens_in * input +
 tokens_out * output) / 1e6 * 100, with the no-cache token counts of sweep.rollout_tokens. Cost is
 linear in the counts, so the cost at the mean token counts is the mean cost per query.
 """
@@ -24,10 +25,12 @@ class Price:
     output_usd_per_1m: float
     date: str
     source: str
+    note: str = ""
 
 
 def load_prices(path: Optional[str | Path] = None) -> dict[str, Price]:
-    """The price table; every row needs the four fields, prices >= 0 (errors name file and row)."""
+    """The price table; every row needs the four fields (a note is optional), prices >= 0 (errors name file
+    and row)."""
     path = Path(path) if path else DEFAULT_PRICES
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -46,7 +49,7 @@ def load_prices(path: Optional[str | Path] = None) -> dict[str, Price]:
             raise ValueError(f"price table {path}: model {name!r}: prices must be numbers") from None
         if p_in < 0 or p_out < 0:
             raise ValueError(f"price table {path}: model {name!r}: prices must be >= 0")
-        out[str(name)] = Price(str(name), p_in, p_out, str(row["date"]), str(row["source"]))
+        out[str(name)] = Price(str(name), p_in, p_out, str(row["date"]), str(row["source"]), str(row.get("note") or ""))
     return out
 
 

@@ -1,7 +1,8 @@
 """Aggregates over result rows: the budget curve and the deployment metrics (RECIPE 8).
 
-- budget curve: per (model, benchmark, b): accuracy (= fraction CORRECT), the SimpleQA summary,
-  mean exact/substring/F1, mean tool calls, mean tokens in/out;
+- budget curve: per (model, benchmark, b): accuracy (= fraction CORRECT of all examples, the figure FRAMES
+  and FACTS publish), the SimpleQA summary (not attempted = declined or hedged),
+  mean exact/substring/F1, mean tool calls, mean tokens in/out, and the grading protocols of its rows;
 - abstention: on the set whose evidence documents were withheld from the index
   (`withhold_evidence`), the fraction of episodes whose final answer declines (grade
   NOT_ATTEMPTED with an answer); higher is better; `no_answer` (no final answer at all) and
@@ -41,6 +42,8 @@ def summarize(rows: Sequence[dict]) -> dict:
         "mean_effective_calls": _mean([r["tool_calls"] - r.get("failed_calls", 0) for r in rows]),
         "mean_tokens_in": _mean([r["tokens_in"] for r in rows]), "mean_tokens_out": _mean([r["tokens_out"] for r in rows]),
         "judge_malformed": sum(bool(r.get("judge_malformed")) for r in rows),
+        # how the rows were graded; "unrecorded" marks rows written before results kept it (a resumed old run)
+        "protocols": sorted({r.get("protocol") or "unrecorded" for r in rows}),
     }
 
 

@@ -9,7 +9,9 @@ Models: an `Engine` object, an engine URL (SGLang or the local engine server: sa
 HF checkpoint directory (in-process LocalEngine). Search: `index_dir` (local bm25s index) or
 `backend`, else cfg.search. Every result is appended to <out_dir>/results.jsonl as it finishes;
 calling again with the same out_dir asks only what is missing, then rewrites the report, the
-plots and the TensorBoard scalars from all results on file.
+plots and the TensorBoard scalars from all results on file. The write-up's reference points
+(eval/reference_points.yaml, or `references=PATH`; None leaves them out) are placed beside ours for the
+benchmarks both have.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .cost import load_prices
 from .graders import build_grader
 from .metrics import (LanguageID, abstention, broken_tool_calls, budget_curve, group, language_mismatch, sbs_metric,
                       sbs_rows, summarize, tool_choice_none_rate, withhold_evidence)
+from .references import DEFAULT_REFERENCES, load_references
 from .report import add_costs, build_report, write_outputs
 from .results import ResultStore
 from .sweep import VARIANTS, budget_jobs, run_jobs, variant_jobs
@@ -142,7 +145,8 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
                          variants: Sequence[str] = ("budget",), encoder=None, grader=None,
                          system_prompt: Optional[str] = None, prices: Optional[dict[str, str]] = None,
                          sbs_baseline: Optional[str] = None, sbs_scorer=None, sbs_budget: Optional[int] = None,
-                         language: bool = True, tensorboard: bool = True, progress: bool = True) -> dict:
+                         language: bool = True, tensorboard: bool = True, progress: bool = True,
+                         references: Optional[str | Path] = DEFAULT_REFERENCES) -> dict:
     """Run (or resume) the eval and write the report; returns the report dict (see module docstring).
 
     variants: any of "budget" (the b sweep), "standard" (no stated budget, <= eval.max_calls calls),
@@ -150,7 +154,7 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     row of the price table (eval.prices). sbs: with `sbs_scorer` (an rm RMScorer) and `sbs_baseline`
     (one of `models`), each other model's answers at b = `sbs_budget` (default: the largest b) are
     compared with the baseline's; without a scorer the pairs are written to sbs_<model>_vs_<baseline>.jsonl for
-    `megatron-search rm eval --sbs`.
+    `megatron-search rm eval --sbs`. references: the write-up's reference-point file (None: none shown).
     """
     from megatron_search.data.sft import SYSTEM_PROMPT
     from megatron_search.rollout.chat_format import ChatFormat
@@ -224,12 +228,13 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     await run_all()
     return make_report(cfg, store, out, list(models), variants, prices or {}, sbs_baseline, sbs_scorer,
                        sbs_budget if sbs_budget is not None else (max(budgets) if budgets else None),
-                       language, tensorboard, status)
+                       language, tensorboard, status, references=references)
 
 
 def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants: Sequence[str],
                 prices: dict[str, str], sbs_baseline: Optional[str], sbs_scorer, sbs_budget: Optional[int],
-                language: bool, tensorboard: bool, status: Optional[dict] = None) -> dict:
+                language: bool, tensorboard: bool, status: Optional[dict] = None,
+                references: Optional[str | Path] = DEFAULT_REFERENCES) -> dict:
     """Aggregate every result of `models` on file into the report and write the outputs."""
     ec = cfg.eval
     rows = [r for r in store.rows() if r["model"] in models]
@@ -274,6 +279,6 @@ def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants:
     report = build_report(out.name, curve, deployment, model_prices, {
         "models": models, "variants": list(variants), "results": len(rows),
         "eval_config": ec.model_dump(), "status": status or {},
-    })
+    }, load_references(references) if references is not None else None)
     report["outputs"] = write_outputs(report, out, tensorboard)
     return report
