@@ -15,7 +15,7 @@ from megatron_search.text import normalize_answer as normalize_text
 FIX = Path(__file__).parent / "fixtures" / "data"
 
 
-def test_each_converter_reads_its_layout():
+def test_each_converter_reads_its_layout(tmp_path):
     dd = convert_file("deepdive", FIX / "deepdive.parquet")
     assert [r.id for r in dd] == ["deepdive-dd-1", "deepdive-dd-2", "deepdive-dd-3", "deepdive-dd-4"]
     assert dd[0].answers == ["Ellow"] and dd[0].metadata["turns"] == 2 and dd[0].split == "train"
@@ -32,6 +32,19 @@ def test_each_converter_reads_its_layout():
     fr = convert_file("frames", FIX / "frames.tsv")
     assert fr[1].answers == ["4"]
     assert fr[1].metadata["wikipedia_links"] == ["https://en.wikipedia.org/wiki/Quarnby", "https://en.wikipedia.org/wiki/Ellow"]
+    # the common CSV copy of FRAMES (question, true_answer, the rest as upstream) converts to the same records
+    import csv
+
+    with open(FIX / "frames.tsv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    copy = tmp_path / "frames.csv"
+    with open(copy, "w", newline="", encoding="utf-8") as f:
+        names = ["question" if k == "Prompt" else "true_answer" if k == "Answer" else k for k in rows[0]]
+        w = csv.writer(f)
+        w.writerow(names)
+        w.writerows([list(r.values()) for r in rows])
+    fr_csv = convert_file("frames", copy)
+    assert [(r.question, r.answers, r.metadata) for r in fr_csv] == [(r.question, r.answers, r.metadata) for r in fr]
     bam = convert_file("bamboogle", FIX / "bamboogle.csv", on_error="skip")
     assert bam[1].question == "What is the capital of the country whose flag has a red, wavy stripe?"
 

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--records", action="append", default=[], help="converted QA JSONL (QARecord), e.g. the demo's qa.jsonl")
     p.add_argument("--split", default=None, help="split of --records to evaluate (e.g. test)")
     p.add_argument("--simpleqa", action="append", default=[], help="SimpleQA CSV (metadata,problem,answer)")
-    p.add_argument("--frames", action="append", default=[], help="FRAMES TSV")
+    p.add_argument("--frames", action="append", default=[], help="FRAMES: the upstream TSV (Prompt, Answer) or the CSV copy (question, true_answer)")
     p.add_argument("--facts", action="append", default=[], help="FACTS-style JSONL")
     p.add_argument("--index", default=None, help="local search index dir (default: the search config section)")
     p.add_argument("--corpus", default=None, help="corpus JSONL the abstention set withholds evidence from")

@@ -101,7 +101,8 @@ def _frames(row: dict):
     keys.sort(key=lambda k: int("".join(ch for ch in str(k) if ch.isdigit()) or 0))  # 1, 2, ..., 10, 11+
     links = [row[k] for k in keys if row[k]]
     meta = {"reasoning_types": _get(row, "reasoning_types", required=False), "wikipedia_links": links}
-    return _get(row, "Prompt"), _answers(_get(row, "Answer")), meta, None
+    # the upstream TSV names them Prompt / Answer, the common CSV copy question / true_answer
+    return _get(row, "Prompt", "question"), _answers(_get(row, "Answer", "true_answer")), meta, None
 
 
 CONVERTERS: dict[str, Callable[[dict], tuple]] = {
