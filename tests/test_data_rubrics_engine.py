@@ -88,3 +88,68 @@ def test_rubric_pipeline_against_the_local_engine(world, chat, tmp_path):
     assert requests2 == 0
     assert [k.to_dict() for k in kept2] == [k.to_dict() for k in kept]
     assert [vars(d) for d in dropped2] == [vars(d) for d in dropped]
+
+
+def _serve(app_factory):
+    """Start an aiohttp app on a free 127.0.0.1 port; returns (runner, url)."""
+    async def start():
+        runner = web.AppRunner(app_factory())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return start()
+
+
+def _verdict_server(seen: list):
+    """An OpenAI-compatible judge that passes a criterion iff the response contains "Paris" (well-formed JSON)."""
+    import json
+
+    async def completions(request):
+        prompt = (await request.json())["messages"][-1]["content"]
+        seen.append(prompt)
+        response = prompt.split("Response to grade:\n", 1)[1].split("\n\nCriteria:", 1)[0]
+        criteria = [l for l in prompt.split("Criteria:\n", 1)[1].split("\n\n")[0].splitlines() if l.strip()]
+        verdicts = [{"index": i, "pass": "Paris" in response, "reason": "-"} for i in range(1, len(criteria) + 1)]
+        return web.json_response({"choices": [{"message": {"content": json.dumps({"verdicts": verdicts})},
+                                               "finish_reason": "stop"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    return app
+
+
+def test_rubric_judge_batches_counts_malformed_and_leaves_mechanical_rubrics_alone(chat):
+    """GRPO's rubric judge (reward.rubric_judge) over HTTP: a judge that replies in form decides the
+    rubrics the mechanical checks cannot, one request per response; the local engine serving the random
+    tiny model replies noise, which fails those rubrics and is counted; mechanical rubrics never reach it."""
+    from megatron_search.data.rubrics import RubricJudge
+
+    convo = [{"role": "user", "content": "What is the capital of France? Reply warmly."}]
+    mechanical, judged = 'The answer contains "Paris"', "The tone is warm and friendly"
+    assert check_rubric(mechanical, "x") is not None and check_rubric(judged, "x") is None
+    jobs = [(convo, "Paris, of course!", [mechanical, judged]), (convo, "Lyon.", [mechanical, judged]),
+            (convo, "Paris.", [mechanical])]
+
+    async def go():
+        seen: list = []
+        runner, url = await _serve(lambda: _verdict_server(seen))
+        engine = LocalEngine(MODEL, seed=0, max_running_requests=8)
+        noise_runner, noise_url = await _serve(lambda: build_app(engine, chat))
+        try:
+            good = RubricJudge(LLMClient(url, retries=0), max_tokens=16)
+            noise = RubricJudge(LLMClient(noise_url, retries=0), max_tokens=16)
+            return await good.grade_many(jobs), seen, await noise.grade_many(jobs)
+        finally:
+            for j in (good, noise):
+                await j.client.close()
+            await runner.cleanup()
+            await noise_runner.cleanup()
+
+    ok, seen, bad = asyncio.run(go())
+    assert ok.verdicts == [[True, True], [False, False], [True]]
+    assert (ok.calls, ok.judged, ok.mechanical, ok.malformed) == (2, 2, 3, 0)
+    # one request per response with undecided rubrics, listing only those (the versioned prompt's layout)
+    assert len(seen) == 2 and all(f"1. {judged}" in p and mechanical not in p.split("Criteria:")[1] for p in seen)
+    assert bad.verdicts == [[True, False], [False, False], [True]]  # noise fails the judged rubric only
+    assert (bad.calls, bad.malformed) == (2, 2)

@@ -48,11 +48,14 @@ def test_missing_answer_scores_zero_and_unjudgeable_rubric_is_an_error():
     s = score_rollouts([qa], [ro(None, 3)], [0], [ReferenceAnswer("Zed", 1)], torch.tensor([0.5]), "exact")
     assert s.r_base.tolist() == [0]
     rub = MixItem("r", "rubric", "rubric", [], rubrics=["The tone is warm and friendly"])
-    with pytest.raises(ValueError, match="needs an LLM judge"):
+    with pytest.raises(ValueError, match=r"needs an LLM judge and none is configured \(reward.rubric_judge\)"):
         score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact")
-    judged = score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact",
-                            judge=lambda rubric, answer: True)
-    assert judged.r_base.tolist() == [1]
+    judged = score_rollouts([rub, rub], [ro("hi", 1), ro("hello", 1)], [0, 0], [ReferenceAnswer("x", 1)] * 2,
+                            torch.tensor([0.5, 0.5]), "exact", rubric_verdicts={0: [True], 1: [False]})
+    assert judged.r_base.tolist() == [1, 0]
+    with pytest.raises(ValueError, match="2 verdicts for 1 rubrics"):
+        score_rollouts([rub], [ro("hi", 1)], [0], [ReferenceAnswer("x", 1)], torch.tensor([0.5]), "exact",
+                       rubric_verdicts={0: [True, True]})
 
 
 def test_each_rollout_is_anchored_on_its_own_reference_and_every_length_branch_fires():

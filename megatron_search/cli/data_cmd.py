@@ -230,7 +230,8 @@ def run_rubrics(args) -> int:
     from megatron_search.data.llm_client import LLMClient
     from megatron_search.data.rubrics import RubricPipeline, item_from_row
 
-    cfg = load_from_args(args).data
+    full = load_from_args(args)
+    cfg = full.data
     if args.demo is not None:
         from megatron_search.data.rubric_demo import demo_rubric_rows
         from megatron_search.data.world import World
@@ -249,13 +250,17 @@ def run_rubrics(args) -> int:
         if rc.policy_base_url:
             policy = LLMClient(rc.policy_base_url, rc.policy_model or cfg.llm.model, cfg.llm.api_key_env,
                                cfg.llm.concurrency, cfg.llm.timeout_s, cfg.llm.retries, cfg.llm.backoff_s, cfg.llm.cache_dir)
+        # the calibration's judge is GRPO's (reward.rubric_judge) when one is configured, else data.llm
+        judge = LLMClient.from_config(full.reward.rubric_judge) if full.reward.rubric_judge else llm
         try:
-            pipe = RubricPipeline(llm, llm, policy, rc.samples, rc.sample_temperature, rc.max_tokens,
+            pipe = RubricPipeline(llm, judge, policy, rc.samples, rc.sample_temperature, rc.max_tokens,
                                   rc.prompt_version, rc.max_rubric_chars)
             return await pipe.run(items, progress=_progress(), calibrate=not args.no_calibration)
         finally:
             await llm.close()
             await policy.close()
+            if judge is not llm:
+                await judge.close()
 
     kept, dropped = asyncio.run(go())
     write_jsonl(args.out, (dict(it.to_dict(), calibrated=not args.no_calibration) for it in kept))

@@ -2,11 +2,12 @@
 the defaults below are this project's choice and are documented as such."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, NonNegativeFloat
 
 from .base import Section
+from .data import LLMConfig
 
 
 class RewardConfig(Section):
@@ -29,3 +30,9 @@ class RewardConfig(Section):
         "pointwise", description="RECIPE 5.1: scalar score per answer, or Delta with both answers in context"
     )
     seed: int = Field(0, description="seed of the generator that samples the tool baseline b_g (RECIPE 5.2)")
+    rubric_judge: Optional[LLMConfig] = Field(
+        None, description="OpenAI-compatible endpoint of the instruction-following judge that grades rubric chat "
+        "(RECIPE 4.2, 5: r_base = every rubric passes) for the rubrics the mechanical checks cannot decide: an "
+        "SGLang-served judge at scale, the local engine server on CPU; prompt data/prompts/rubric_judge_<data.rubric."
+        "prompt_version>, the same judge as the pass@4 calibration (`data rubrics` uses it when set). None: a rubric "
+        "item the mechanical checks cannot decide is an error")

@@ -7,7 +7,9 @@ what is mechanically checkable, an LLM judge, and the pass@4 calibration filter.
       -> keep the prompt only when 1..3 of the 4 samples pass all rubrics
 
 Every dropped prompt records its stage and reason. All LLM calls go through LLMClient, so a re-run
-is served from the cache.
+is served from the cache. `RubricJudge` is the judge of both the calibration and GRPO's rubric reward
+(reward.rubric_judge): one versioned prompt, mechanical checks first, one call per response for
+the rubrics they cannot decide.
 """
 from __future__ import annotations
 
@@ -99,6 +101,73 @@ def _conversation_text(messages: list[dict]) -> str:
     return "\n".join(f"[{m['role']}] {m.get('content') or ''}" for m in messages)
 
 
+@dataclass
+class JudgedBatch:
+    """Verdicts of `RubricJudge.grade_many`, per response per rubric, and what decided them."""
+
+    verdicts: list[list[bool]]
+    mechanical: int = 0  # rubrics decided by data/rubric_checks.py
+    judged: int = 0  # rubrics sent to the judge
+    calls: int = 0  # judge requests
+    malformed: int = 0  # judge replies that did not parse, or an endpoint failure: their rubrics fail
+
+
+class RubricJudge:
+    """The instruction-following judge of rubric chat (RECIPE 4.2), prompt `rubric_judge_<version>`."""
+
+    def __init__(self, client: LLMClient, prompt_version: str = "v1", max_tokens: int = 1024):
+        self.client, self.max_tokens = client, max_tokens
+        self.prompt = load_prompt(f"rubric_judge_{prompt_version}")
+        self.prompt_version = prompt_version
+
+    async def judge(self, messages: list[dict], response: str, rubrics: list[str]) -> list[bool]:
+        """One call grading every rubric against the response; LLMOutputError when the reply is malformed."""
+        listing = "\n".join(f"{i}. {r}" for i, r in enumerate(rubrics, 1))
+        prompt = self.prompt.format(conversation=_conversation_text(messages), response=response, rubrics=listing)
+        out = await self.client.chat_json([{"role": "user", "content": prompt}], required={"verdicts": list},
+                                          max_tokens=self.max_tokens)
+        verdicts: dict[int, bool] = {}
+        for v in out["verdicts"]:
+            if not isinstance(v, dict) or not isinstance(v.get("index"), int) or not isinstance(v.get("pass"), bool):
+                raise LLMOutputError(f"verdict must be {{'index': int, 'pass': bool}}, got {v!r:.120}")
+            if v["index"] in verdicts:
+                raise LLMOutputError(f"judge gave two verdicts for criterion {v['index']}")
+            verdicts[v["index"]] = v["pass"]
+        if sorted(verdicts) != list(range(1, len(rubrics) + 1)):
+            raise LLMOutputError(f"judge graded criteria {sorted(verdicts)}, expected 1..{len(rubrics)}")
+        return [verdicts[i] for i in range(1, len(rubrics) + 1)]
+
+    async def grade(self, messages: list[dict], response: str, rubrics: list[str],
+                    tally: Optional["JudgedBatch"] = None) -> list[bool]:
+        """Mechanical checks where a rubric has a known form, the judge for the rest. Without `tally` a
+        malformed reply raises; with it, that response's judged rubrics fail and the tally counts it."""
+        verdicts = [check_rubric(r, response) for r in rubrics]
+        todo = [i for i, v in enumerate(verdicts) if v is None]
+        if tally is not None:
+            tally.mechanical += len(rubrics) - len(todo)
+            tally.judged += len(todo)
+            tally.calls += bool(todo)
+        if todo:
+            try:
+                judged = await self.judge(messages, response, [rubrics[i] for i in todo])
+            except (LLMOutputError, LLMError):
+                if tally is None:
+                    raise
+                tally.malformed += 1
+                judged = [False] * len(todo)
+            for i, v in zip(todo, judged):
+                verdicts[i] = v
+        return [bool(v) for v in verdicts]
+
+    async def grade_many(self, jobs: list[tuple[list[dict], str, list[str]]]) -> JudgedBatch:
+        """Grade (messages, response, rubrics) jobs concurrently (the client bounds the requests in flight).
+        A malformed reply or a failed request fails that response's judged rubrics and is counted: a
+        training step never stops on the judge."""
+        out = JudgedBatch([])
+        out.verdicts = list(await asyncio.gather(*(self.grade(*job, tally=out) for job in jobs)))
+        return out
+
+
 class RubricPipeline:
     def __init__(self, generator: LLMClient, judge: LLMClient, policy: LLMClient, samples: int = 4,
                  sample_temperature: float = 0.6, max_tokens: int = 1024, prompt_version: str = "v1",
@@ -108,7 +177,7 @@ class RubricPipeline:
         self.sample_temperature = sample_temperature
         self.max_tokens = max_tokens
         self.gen_prompt = load_prompt(f"rubric_generate_{prompt_version}")
-        self.judge_prompt = load_prompt(f"rubric_judge_{prompt_version}")
+        self.grader = RubricJudge(judge, prompt_version, max_tokens)
         self.internal = load_lines(f"internal_constraints_{prompt_version}")
         self.subjective = load_lines(f"subjective_words_{prompt_version}")
         self.max_rubric_chars = max_rubric_chars
@@ -138,30 +207,9 @@ class RubricPipeline:
 
     async def grade(self, item: RubricItem, response: str) -> list[bool]:
         """Per-rubric verdicts: mechanical checks where the rubric has a known form (rubric_checks),
-        the LLM judge for the rest (not called at all when every rubric is mechanical)."""
-        verdicts = [check_rubric(r.text, response) for r in item.rubrics]
-        todo = [i for i, v in enumerate(verdicts) if v is None]
-        if todo:
-            judged = await self._judge(item, response, [item.rubrics[i] for i in todo])
-            for i, v in zip(todo, judged):
-                verdicts[i] = v
-        return [bool(v) for v in verdicts]
-
-    async def _judge(self, item: RubricItem, response: str, rubrics: list[Rubric]) -> list[bool]:
-        listing = "\n".join(f"{i}. {r.text}" for i, r in enumerate(rubrics, 1))
-        prompt = self.judge_prompt.format(conversation=_conversation_text(item.messages), response=response, rubrics=listing)
-        out = await self.judge.chat_json([{"role": "user", "content": prompt}], required={"verdicts": list},
-                                         max_tokens=self.max_tokens)
-        verdicts: dict[int, bool] = {}
-        for v in out["verdicts"]:
-            if not isinstance(v, dict) or not isinstance(v.get("index"), int) or not isinstance(v.get("pass"), bool):
-                raise LLMOutputError(f"verdict must be {{'index': int, 'pass': bool}}, got {v!r:.120}")
-            if v["index"] in verdicts:
-                raise LLMOutputError(f"judge gave two verdicts for criterion {v['index']}")
-            verdicts[v["index"]] = v["pass"]
-        if sorted(verdicts) != list(range(1, len(rubrics) + 1)):
-            raise LLMOutputError(f"judge graded criteria {sorted(verdicts)}, expected 1..{len(rubrics)}")
-        return [verdicts[i] for i in range(1, len(rubrics) + 1)]
+        the LLM judge for the rest (not called at all when every rubric is mechanical); a malformed
+        judge reply raises (the calibration then drops the prompt at its 'judge' stage)."""
+        return await self.grader.grade(item.messages, response, [r.text for r in item.rubrics])
 
     async def process(self, item: RubricItem, calibrate: bool = True) -> RubricItem | RubricDrop:
         stage = "generate"

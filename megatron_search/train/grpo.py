@@ -154,7 +154,9 @@ class GRPORun:
         s = self.preference.score(*_broadcast(triples))
         if not self.is_driver:
             return None, m
-        scores = score_rollouts(col.items, col.rollouts, col.group_ids, refs, s, cfg.reward.answer_match)
+        verdicts, judged = self.driver.judge_rubrics(col.items, col.rollouts)
+        m.update(judged)
+        scores = score_rollouts(col.items, col.rollouts, col.group_ids, refs, s, cfg.reward.answer_match, verdicts)
         rewards = compute_rewards_from_config(scores, cfg.reward, reward_generator(cfg.reward.seed, step))
         adv = group_advantages(rewards.reward.float(), scores.group_ids, std_normalize=cfg.grpo.advantage_std_normalize,
                                eps=cfg.grpo.advantage_eps, unbiased=cfg.grpo.advantage_std_unbiased)

@@ -28,7 +28,9 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.mix import MixItem
+from megatron_search.data.rubrics import RubricJudge
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.engine import Engine
@@ -36,7 +38,7 @@ from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.rollout.types import Rollout
 from megatron_search.search.tool import SearchTool
 
-from .scoring import ReferenceAnswer
+from .scoring import ReferenceAnswer, rubric_jobs
 
 
 def build_encoder(cfg) -> ChatEncoder:
@@ -71,6 +73,8 @@ class RolloutDriver:
         from megatron_search.rm.service import ReferenceCache
 
         self.references = ReferenceCache(output_dir / "reference_answers.jsonl", self._generate_references)
+        jc, rc = cfg.reward.rubric_judge, cfg.data.rubric
+        self.judge = None if jc is None else RubricJudge(LLMClient.from_config(jc), rc.prompt_version, rc.max_tokens)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -161,8 +165,22 @@ class RolloutDriver:
         """Reference sample samples[i] for items[i] (each generated once, cached on disk)."""
         return self.references.get([it.messages for it in items], samples)
 
+    # ------------------------------------------------------------------ rubric judge
+    def judge_rubrics(self, items: Sequence[MixItem], rollouts: Sequence[Rollout]) -> tuple[dict, dict[str, float]]:
+        """The judge's verdicts for every rubric rollout with an answer ({rollout index: per-rubric verdicts})
+        and counts; without reward.rubric_judge nothing is judged here (scoring then grades mechanically)."""
+        index, jobs = rubric_jobs(items, rollouts)
+        if self.judge is None or not jobs:
+            return {}, {}
+        batch = self.run(self.judge.grade_many(jobs))
+        return dict(zip(index, batch.verdicts)), {
+            "reward/rubric_judge_calls": float(batch.calls), "reward/rubric_judged": float(batch.judged),
+            "reward/rubric_mechanical": float(batch.mechanical), "reward/rubric_judge_malformed": float(batch.malformed)}
+
     def close(self) -> None:
         try:
+            if self.judge is not None:
+                self.run(self.judge.client.close())
             self.run(self.rollout_engines.aclose())
             if self.reference_engine is not None:
                 self.run(self.reference_engine.close())

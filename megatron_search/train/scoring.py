@@ -2,9 +2,10 @@
 
 Per rollout i of prompt item x:
 - r_base: QA -> the final answer matches a reference answer (reward.answer_match); rubric chat ->
-  every rubric passes. Rubrics are graded mechanically (data/rubric_checks.py) and, for the ones
-  that are not mechanically checkable, by the rubric judge when one is given; without a judge such
-  a rubric is an error (never a silent pass or fail).
+  every rubric passes. The caller passes each rubric rollout's verdicts from the rubric judge
+  (data/rubrics.RubricJudge: mechanical checks first, the LLM judge for the rest; reward.rubric_judge);
+  without them a rubric is graded mechanically (data/rubric_checks.py), and one that is not
+  mechanically checkable is an error (never a silent pass or fail).
 - s: P_bar(x, y_i, y_ref) from the preference service, against the reference model's answer
   for the same prompt.
 - c, e: tool calls and failed executions recorded by the agent loop.
@@ -16,7 +17,7 @@ against the reference with an empty answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -40,25 +41,33 @@ class ReferenceAnswer:
     generated_tokens: int
 
 
-RubricJudge = Callable[[str, str], bool]  # (rubric, response) -> pass
-
-
-def base_reward(item: MixItem, answer: Optional[str], answer_match: str, judge: Optional[RubricJudge]) -> int:
+def base_reward(item: MixItem, answer: Optional[str], answer_match: str,
+                verdicts: Optional[Sequence[bool]] = None) -> int:
+    """r_base of one rollout; `verdicts`: the judge's per-rubric verdicts of a rubric item's answer."""
     if item.kind == "qa":
         return qa_reward(answer, item.answers, mode=answer_match)
     if item.kind == "rubric":
         if answer is None:
             return 0
+        if verdicts is not None:
+            if len(verdicts) != len(item.rubrics):
+                raise ValueError(f"item {item.id}: {len(verdicts)} verdicts for {len(item.rubrics)} rubrics")
+            return rubric_reward([bool(v) for v in verdicts])
         passed = []
         for rubric in item.rubrics:
             ok = check_rubric(rubric, answer)
             if ok is None:
-                if judge is None:
-                    raise ValueError(f"item {item.id}: rubric {rubric!r} needs an LLM judge and none is configured")
-                ok = judge(rubric, answer)
+                raise ValueError(f"item {item.id}: rubric {rubric!r} needs an LLM judge and none is configured "
+                                 f"(reward.rubric_judge)")
             passed.append(bool(ok))
         return rubric_reward(passed)
     raise ValueError(f"item {item.id}: unknown kind {item.kind!r}")
+
+
+def rubric_jobs(items: Sequence[MixItem], rollouts: Sequence[Rollout]) -> tuple[list[int], list[tuple]]:
+    """Rollouts to judge (rubric items with a final answer) and their (messages, answer, rubrics) jobs."""
+    index = [i for i, (it, ro) in enumerate(zip(items, rollouts)) if it.kind == "rubric" and ro.final_answer is not None]
+    return index, [(items[i].messages, rollouts[i].final_answer, list(items[i].rubrics)) for i in index]
 
 
 def preference_inputs(items: Sequence[MixItem], rollouts: Sequence[Rollout], references: Sequence[ReferenceAnswer]
@@ -69,15 +78,18 @@ def preference_inputs(items: Sequence[MixItem], rollouts: Sequence[Rollout], ref
 
 def score_rollouts(items: Sequence[MixItem], rollouts: Sequence[Rollout], group_ids: Sequence[int],
                    references: Sequence[ReferenceAnswer], s: torch.Tensor, answer_match: str,
-                   judge: Optional[RubricJudge] = None) -> RolloutScores:
+                   rubric_verdicts: Optional[dict[int, Sequence[bool]]] = None) -> RolloutScores:
     """RolloutScores for rollouts[i] of prompt items[i] (items repeat within a group); `s` holds the
     preference scores of `preference_inputs(...)` (computed by the caller: the reward model may be
-    sharded over ranks that must score together)."""
+    sharded over ranks that must score together); `rubric_verdicts[i]`: the judge's verdicts for
+    rollout i (rubric items, see rubric_jobs)."""
     n = len(rollouts)
     if not (len(items) == len(group_ids) == len(references) == n):
         raise ValueError(f"score_rollouts: {n} rollouts, {len(items)} items, {len(group_ids)} group ids, "
                          f"{len(references)} references")
-    r_base = [base_reward(it, ro.final_answer, answer_match, judge) for it, ro in zip(items, rollouts)]
+    verdicts = rubric_verdicts or {}
+    r_base = [base_reward(it, ro.final_answer, answer_match, verdicts.get(i)) for i, (it, ro) in
+              enumerate(zip(items, rollouts))]
     return RolloutScores(
         group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
         r_base=torch.as_tensor(r_base, dtype=torch.long),
