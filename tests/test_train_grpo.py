@@ -85,7 +85,8 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     from _mp import run_spawned
 
     # checkpoints after every step: the colocated cycle must bring the optimizer state back before a save
-    layouts = [("single", ["grpo.routing_agreement=true", "checkpoint.save_interval=1"]),
+    layouts = [("single", ["grpo.routing_agreement=true", "checkpoint.save_interval=1", "grpo.eval_interval=2",
+                           "grpo.eval_prompts=3"]),
                ("replay", ["grpo.routing_replay=true"]),
                ("refs_on_rollout", ["grpo.reference_source=rollout_engines"])]
     run_spawned(grpo_worker, 1, layouts, fx, str(tmp_path))
@@ -102,6 +103,9 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     assert all(samples == {0, 1} for samples in per_prompt.values()), per_prompt
     assert len(scalars(refs, "reward/mean")) == 2 and not (refs / "reference_weights").exists()
     check_run(tmp_path / "single", 2)
+    # held-out evaluation every 2 steps (and after the last): step index 1 only, 3 test-split prompts
+    acc, calls = scalars(tmp_path / "single", "eval/accuracy"), scalars(tmp_path / "single", "eval/effective_calls")
+    assert len(acc) == len(calls) == 1 and min(abs(acc[0] - k / 3) for k in range(4)) < 1e-6 and calls[0] >= 0
     saved = sorted(p.name for p in (tmp_path / "single" / "checkpoints").glob("step_*"))
     assert saved and saved[-1] == "step_00000002", saved
     # replay off: the agreement between training's and the engine's experts is measured, not forced
@@ -138,3 +142,4 @@ def test_greedy_rollouts_are_refused():
     cfg = load_config(None, ["rollout.temperature=0"])
     with pytest.raises(ValueError, match="rollout.temperature=0"):
         GRPORun(cfg, ctx=None)
+

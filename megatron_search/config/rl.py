@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from .base import Section
 
@@ -16,6 +16,11 @@ class GRPOConfig(Section):
     updates_per_batch: PositiveInt = Field(
         1, description="optimizer steps per rollout batch; >1 makes pi_old enter through PPO clipping"
     )
+    # Held-out evaluation inside the loop (ours): the policy just pushed answers held-out QA prompts on the
+    # rollout engines; eval/accuracy, eval/effective_calls, eval/no_answer in TensorBoard.
+    eval_interval: NonNegativeInt = Field(0, description="evaluate every N steps (and after the last); 0 = never")
+    eval_split: str = Field("test", description="the split of data.qa_path records that evaluation answers")
+    eval_prompts: PositiveInt = Field(64, description="held-out prompts per evaluation (the first N of the split)")
     # Advantages (RECIPE 3): A_i = (R_i - mean_g R) / (std_g R + eps), or no std division.
     advantage_std_normalize: bool = Field(True, description="divide by the group std (RECIPE 3); False = mean-centering only")
     advantage_eps: PositiveFloat = Field(1e-6, description="eps added to the group std (our default)")

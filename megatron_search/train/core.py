@@ -105,6 +105,19 @@ class Trainer:
         self._set_lr(lr)
         return lr
 
+    def policy_step(self, update: Callable[[list, object], list[dict]]) -> tuple[list[dict], float]:
+        """One training step driven by `update(ddp_chunks, optimizer)` (GRPO's policy update: one or several
+        optimizer updates on one batch): this iteration's LR is set first, the iteration advances after.
+        Returns (what `update` returned, the LR)."""
+        lr = self.apply_lr()
+        history = update(self.ddp, self.optimizer)
+        self.iteration += 1
+        return history, lr
+
+    def skip_step(self) -> None:
+        """A step that trains nothing (GRPO: no group carried signal) still counts: the iteration advances."""
+        self.iteration += 1
+
     def dp_slice(self, global_batch: Batch) -> Batch:
         """This data-parallel rank's contiguous share of a global batch."""
         return data_parallel_slice(global_batch)

@@ -17,6 +17,20 @@ def with_system_prompt(item: MixItem) -> MixItem:
     return item
 
 
+def build_eval_items(cfg) -> list[MixItem]:
+    """The held-out QA prompts GRPO evaluates every grpo.eval_interval steps: the first grpo.eval_prompts
+    records of data.qa_path in split grpo.eval_split, with the production system prompt."""
+    d, g = cfg.data, cfg.grpo
+    if not d.qa_path:
+        raise ValueError("grpo.eval_interval: evaluation answers held-out records of data.qa_path, which is not set")
+    recs = [QARecord.from_dict(r, f"{d.qa_path}:{i + 1}") for i, r in enumerate(read_jsonl(d.qa_path))]
+    items = [with_system_prompt(qa_item(r)) for r in recs if r.split == g.eval_split][: g.eval_prompts]
+    if not items:
+        raise ValueError(f"grpo.eval_split: no record of split {g.eval_split!r} in {d.qa_path} "
+                         f"(splits there: {sorted({r.split for r in recs})})")
+    return items
+
+
 def build_mix_sampler(cfg) -> MixSampler:
     """A MixSampler over data.qa_path (QA records) and data.rubric_path (rubric rows), weighted by
     data.mix. Every dataset the mix names must have a path and at least one train item."""

@@ -165,6 +165,26 @@ class RolloutDriver:
         """Reference sample samples[i] for items[i] (each generated once, cached on disk)."""
         return self.references.get([it.messages for it in items], samples)
 
+    # ------------------------------------------------------------------ held-out evaluation
+    def evaluate(self, items: Sequence[MixItem]) -> dict[str, float]:
+        """One rollout per held-out QA item on the rollout engines (the policy just pushed), seeded alike at
+        every evaluation so the curve compares like with like: accuracy (reward.answer_match), effective
+        tool calls (calls minus failed executions) and the share without a final answer."""
+        from megatron_search.rewards.answer import qa_reward
+
+        jobs = [(self.agents[i % len(self.agents)], AgentTask(it.messages, seed=self.cfg.run.seed * 7_919 + i))
+                for i, it in enumerate(items)]
+        results = self.run(self._gather(jobs, "held-out evaluation"))
+        done = [(it, r) for it, r in zip(items, results) if isinstance(r, Rollout)]
+        if not done:
+            raise RuntimeError(f"every held-out evaluation rollout failed; first error: {results[0]!r}")
+        n = len(done)
+        return {"eval/accuracy": sum(qa_reward(r.final_answer, it.answers, mode=self.cfg.reward.answer_match)
+                                     for it, r in done) / n,
+                "eval/effective_calls": sum(r.tool_calls - r.failed_executions for _, r in done) / n,
+                "eval/no_answer": sum(r.final_answer is None for _, r in done) / n,
+                "eval/failed": float(len(items) - n)}
+
     # ------------------------------------------------------------------ rubric judge
     def judge_rubrics(self, items: Sequence[MixItem], rollouts: Sequence[Rollout]) -> tuple[dict, dict[str, float]]:
         """The judge's verdicts for every rubric rollout with an answer ({rollout index: per-rubric verdicts})

@@ -1,0 +1,322 @@
+"""One GRPO run's state and its named steps; `train/grpo.py`'s `run_grpo` is the loop over them.
+
+`GRPORun(cfg, ctx)` is the builder: trainer (resumed or initialised from an SFT checkpoint), reward
+model, the first rank's rollout driver (engines, agents, reference answers, rubric judge), weight
+sync, colocated turns, batch scatter, metrics writer. Each step method does one thing and says
+where it runs:
+  every rank    begin_step, preference_scores, scatter, train, push_weights, end_step, finish
+  driver only   rollouts, rewards, advantages, filter_and_pack, evaluate (the first rank owns the
+                engines; the others get None and do not call them)
+Per-step metrics gather in `metrics` and are written by end_step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_search.models.routing_replay import moe_routers
+from megatron_search.rewards.batch import RewardBreakdown, RolloutScores, compute_rewards_from_config, reward_generator
+from megatron_search.rl.advantages import filtered_groups, group_advantages
+from megatron_search.rl.registry import build_policy_loss
+from megatron_search.rollout.launch import start_engines
+from megatron_search.rollout.local import LocalEngine
+from megatron_search.rollout.sglang import SGLangClient
+
+from .batch_scatter import BatchScatter
+from .grpo_colocate import ColocatedCycle
+from .grpo_data import build_eval_items, build_mix_sampler
+from .grpo_driver import Collected, RolloutDriver
+from .grpo_metrics import rollout_metrics
+from .grpo_preference import build_preference
+from .grpo_sync import build_weight_sync, save_hf_weights
+from .init_weights import load_model_weights
+from .metrics import MetricsWriter, format_line
+from .policy_step import policy_update
+from .rollout_batch import RolloutBatch, pack_rollouts
+from .scoring import ReferenceAnswer, preference_inputs, score_rollouts
+from .signals import StopRequest
+
+REFERENCE_WEIGHTS, FINAL_WEIGHTS = "reference_weights", "final_weights"
+LOGGED = ["reward/mean", "reward/r_base", "reward/tool_calls", "train/loss", "train/grad_norm",
+          "train/mismatch_kl_k3", "time/rollout_s", "time/train_s"]
+
+
+@dataclass
+class StepRollouts:
+    """The driver's rollouts of one step and the reference answer each is compared with."""
+
+    collected: Collected
+    references: list[ReferenceAnswer]
+
+
+class GRPORun:
+    """Everything one GRPO run holds, and the steps of the loop (see the module docstring)."""
+
+    def __init__(self, cfg, ctx):
+        from megatron.core import parallel_state as ps
+
+        from .core import Trainer
+
+        self.cfg, self.ctx = cfg, ctx
+        if cfg.rollout.temperature == 0:
+            raise ValueError("rollout.temperature=0 samples greedily: the G rollouts of a group would be identical "
+                             "and carry no signal; GRPO needs a temperature > 0")
+        self.out = Path(cfg.run.output_dir)
+        self.is_driver = dist.get_rank() == 0
+        # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is
+        # the token-IS loss on the main head; the MTP layer is frozen, still loaded and synced (the engine's draft).
+        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False)
+        self.dp = ps.get_data_parallel_world_size()
+        self.policy_loss = build_policy_loss(cfg.grpo)
+        self.stop = StopRequest()
+        self.driver = self.sampler = None
+        self.eval_items: list = []
+        self.metrics: dict[str, float] = {}
+        self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
+        extra = self.trainer.resume()
+        # The reward model runs in the training layout: every rank holds its shard and scores together.
+        self.preference = build_preference(cfg)
+        if not extra and cfg.checkpoint.load and not cfg.checkpoint.resume:
+            load_model_weights(self.trainer, cfg.checkpoint.load)  # e.g. the SFT checkpoint
+        if self.is_driver:
+            self._build_driver(extra)
+        self.resumed = bool(extra)
+        urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
+        self.weight_sync = build_weight_sync(cfg, urls, self.out)
+        self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver,
+                                       reward_model_chunks=self.preference.scorer.chunks)
+        self.scatter_batch = BatchScatter(moe_layers=[layer for layer, _ in moe_routers(self.trainer.model)])
+
+    def _build_driver(self, extra: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        engines = start_engines(self.cfg, self.out / "engines")
+        source = self.cfg.reference_source()
+        if source == "urls":
+            reference = SGLangClient(self.cfg.grpo.reference_urls[0])
+        elif source == "in_process":  # the frozen initial policy, in process (loads the first sync's checkpoint)
+            reference = LocalEngine.from_config(self.cfg)
+        else:  # rollout_engines: answered up front by the rollout engines (the first step's rollouts)
+            reference = None
+        self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
+        self.sampler = build_mix_sampler(self.cfg)
+        if "sampler" in extra:
+            self.sampler.load_state_dict(extra["sampler"])
+        if self.cfg.grpo.eval_interval:
+            self.eval_items = build_eval_items(self.cfg)
+
+    # ------------------------------------------------------------------ every rank
+    def finished(self) -> bool:
+        return self.trainer.iteration >= self.cfg.grpo.steps or self.stop.requested
+
+    def begin_step(self) -> int:
+        """The step about to run (the trainer's iteration); colocated: the trainer leaves, the engines generate."""
+        step = self.trainer.iteration
+        self.metrics = {}
+        self.colocate.to_rollout(step)
+        return step
+
+    def preference_scores(self, step: int, ro: Optional[StepRollouts]) -> torch.Tensor:
+        """s of every rollout against its reference answer, on the reward model's ranks (all of them: it is
+        sharded like the policy); colocated: the engines release their memory first."""
+        self.colocate.to_scoring(step)
+        t0 = time.perf_counter()
+        triples = preference_inputs(ro.collected.items, ro.collected.rollouts, ro.references) if ro else None
+        s = self.preference.score(*_broadcast(triples))
+        self.metrics["time/preference_s"] = time.perf_counter() - t0
+        return s
+
+    def scatter(self, batch: Optional[RolloutBatch]) -> Optional[RolloutBatch]:
+        """This rank's share of the driver's batch (its DP slice, its stage's routed experts); None: no signal."""
+        local, stats = self.scatter_batch.scatter(batch)
+        self.metrics.update(stats)
+        return local
+
+    def train(self, step: int, local: Optional[RolloutBatch]) -> None:
+        """The policy update on this replica's slice; the trainer advances its iteration (also without signal)."""
+        if local is None:
+            self.trainer.skip_step()
+            return
+        self.colocate.to_train(step)
+        if self.colocate.trainer_offloaded:
+            raise RuntimeError("GRPO: the trainer's state is offloaded (colocated rollout phase); reload it first")
+        g = self.cfg.grpo
+        t0 = time.perf_counter()
+        history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
+            ddp, optimizer, local, policy_loss=self.policy_loss, aggregation=g.loss_aggregation,
+            micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch, replay=g.routing_replay,
+            temperature=training_temperature(self.cfg.rollout)))
+        dt = time.perf_counter() - t0
+        m = self.metrics
+        m.update({f"train/{k}": v for k, v in (history[-1] if history else {}).items()})
+        if len(history) > 1:  # several updates: also the first one's drift from pi_old (0 there: pi_theta is pi_old)
+            m.update({f"train/first_update/{k}": v for k, v in history[0].items() if k.startswith("policy_")})
+        m["train/lr"] = lr
+        m["time/train_s"] = dt
+        m["perf/train_tokens_per_s"] = float(local.mask_BS.sum()) * self.dp / max(dt, 1e-9)  # DP slices: even
+
+    def push_weights(self, step: Optional[int] = None) -> None:
+        """Push the policy to the engines from every rank (owner-parallel, weights/delivery.py). Before the
+        first step (`step` None) a fresh run also writes the initial policy as an HF checkpoint
+        (<output_dir>/reference_weights) for the in-process reference engine; after the last step the final
+        policy is written too (final_weights). Colocated: the engines' weight memory comes back first."""
+        cfg, first = self.cfg, step is None
+        if not first:
+            self.colocate.to_sync(step)
+        t0 = time.perf_counter()
+        bucket = cfg.weight_bucket_bytes()
+        in_process_reference = cfg.reference_source() == "in_process"
+        ref_dir = self.out / REFERENCE_WEIGHTS
+        if first and in_process_reference and not self.resumed:
+            save_hf_weights(self.trainer.model, cfg, self.ctx.groups, ref_dir, bucket)
+        if first and in_process_reference and self.is_driver:
+            if not (ref_dir / "config.json").is_file():
+                raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
+            self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
+        stats = self.weight_sync.push(self.trainer.model, cfg.model.architecture, self.ctx.groups,
+                                      version=str(self.trainer.iteration))
+        if not first and self.trainer.iteration >= cfg.grpo.steps:
+            save_hf_weights(self.trainer.model, cfg, self.ctx.groups, self.out / FINAL_WEIGHTS, bucket)
+        sent = stats.rank_sent_bytes
+        mean = sum(sent) / max(len(sent), 1)
+        self.metrics.update({"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/GB": stats.bytes / 1e9,
+                             "weight_sync/max_rank_sent_GB": max(sent, default=0) / 1e9,
+                             "weight_sync/max_over_mean": max(sent, default=0) / mean if mean else 0.0})
+        if not first:
+            self.colocate.after_sync(step)
+            self.metrics.update(self.colocate.metrics)
+
+    def end_step(self, step: int) -> None:
+        """Held-out evaluation when due (driver), the step's metrics (driver), a checkpoint when due (every rank)."""
+        g = self.cfg.grpo
+        due = g.eval_interval and ((step + 1) % g.eval_interval == 0 or self.trainer.iteration >= g.steps)
+        if self.is_driver and due:
+            self.metrics.update(self.evaluate())
+        if self.is_driver:
+            self.writer.scalars(step, self.metrics)
+            if step % self.cfg.logging.log_interval == 0:
+                print(format_line(step, self.metrics, LOGGED), flush=True)
+        if self.trainer.should_save():
+            self.colocate.ensure_resident()  # gradients and optimizer state left for the push
+            self.trainer.save(extra=_broadcast(self._driver_state()))
+
+    def finish(self) -> None:
+        """The trainer's state back on its device; on a stop signal, a checkpoint of where the run stopped."""
+        self.colocate.ensure_resident()
+        if self.stop.requested:
+            self.trainer.save(extra=_broadcast(self._driver_state()))
+            if self.is_driver:
+                print(f"grpo: signal {self.stop.signum}: checkpoint saved at step {self.trainer.iteration}", flush=True)
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+            self.weight_sync.close()  # it owns this rank's engine clients
+            if self.driver is not None:
+                self.driver.close()
+        finally:
+            self.stop.restore()
+
+    # ------------------------------------------------------------------ driver only
+    def rollouts(self, step: int) -> StepRollouts:
+        """G rollouts for each of the step's prompts and the reference answer each is compared with."""
+        cfg, m = self.cfg, self.metrics
+        if cfg.reference_source() == "rollout_engines" and not self.driver.references_frozen:
+            t = time.perf_counter()
+            m["references/pregenerated"] = float(self.driver.pregenerate_references(self._upcoming_prompts(),
+                                                                                    fresh=not self.resumed))
+            m["time/reference_pregeneration_s"] = time.perf_counter() - t
+        t0 = time.perf_counter()
+        col = self.driver.collect(self.sampler.take(cfg.grpo.prompts_per_step), step)
+        t1 = time.perf_counter()
+        refs = self.driver.reference_answers(col.items, col.samples)  # rollout k vs reference sample k
+        m["time/rollout_s"], m["time/reference_s"] = t1 - t0, time.perf_counter() - t1
+        m["perf/rollouts_per_s"] = len(col.rollouts) / max(t1 - t0, 1e-9)
+        m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
+        m["rollout/failed"] = float(col.failed)
+        return StepRollouts(col, refs)
+
+    def rewards(self, step: int, ro: StepRollouts, s: torch.Tensor) -> tuple[RolloutScores, RewardBreakdown]:
+        """r_base (answer match; rubrics: mechanical checks and the judge), the anchored penalties, gated R."""
+        cfg, col = self.cfg, ro.collected
+        t0 = time.perf_counter()
+        verdicts, judged = self.driver.judge_rubrics(col.items, col.rollouts)
+        self.metrics.update(judged)
+        scores = score_rollouts(col.items, col.rollouts, col.group_ids, ro.references, s, cfg.reward.answer_match,
+                                verdicts)
+        rewards = compute_rewards_from_config(scores, cfg.reward, reward_generator(cfg.reward.seed, step))
+        self.metrics["time/reward_s"] = time.perf_counter() - t0
+        self.metrics.update(rewards.metrics(scores))
+        return scores, rewards
+
+    def advantages(self, scores: RolloutScores, rewards: RewardBreakdown) -> torch.Tensor:
+        """Group-relative advantages of R (the fused group-advantage kernel)."""
+        g = self.cfg.grpo
+        return group_advantages(rewards.reward.float(), scores.group_ids, std_normalize=g.advantage_std_normalize,
+                                eps=g.advantage_eps, unbiased=g.advantage_std_unbiased)
+
+    def filter_and_pack(self, ro: StepRollouts, scores: RolloutScores, rewards: RewardBreakdown,
+                        adv: torch.Tensor) -> Optional[RolloutBatch]:
+        """The training batch: groups with signal that grpo.group_filter keeps, packed and padded with inert rows
+        to whole (DP x micro-batch x updates) units; None when no group is left."""
+        cfg, col, m = self.cfg, ro.collected, self.metrics
+        m.update(rollout_metrics(col, scores, rewards, adv))
+        signal = _signal_groups(adv, scores.group_ids)
+        dropped = filtered_groups(scores.r_base, scores.group_ids, cfg.grpo.group_filter) & signal
+        m["train/zero_signal_groups"] = float((~signal).sum())
+        m["train/filtered_groups"] = float(dropped.sum())
+        signal &= ~dropped
+        keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
+        if not keep:
+            return None
+        unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch
+        pad_id = self.driver.encoder.tokenizer.pad_id
+        batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(), pad_id=pad_id,
+                              pad_multiple=cfg.parallel.sequence_multiple,
+                              with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
+        padding = -len(keep) % unit
+        m["train/padding_rollouts"] = float(padding)
+        return batch.pad_rows(padding, pad_id=pad_id)
+
+    def evaluate(self) -> dict[str, float]:
+        """The just-pushed policy on the held-out prompts (grpo.eval_*), on the rollout engines."""
+        t0 = time.perf_counter()
+        out = self.driver.evaluate(self.eval_items)
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out
+
+    def _upcoming_prompts(self) -> list:
+        """Every prompt the rest of the run will draw (a copy of the sampler walks ahead; the real one is untouched)."""
+        import copy
+
+        ahead = copy.deepcopy(self.sampler)
+        steps = self.cfg.grpo.steps - self.trainer.iteration
+        return [item for _ in range(steps) for item in ahead.take(self.cfg.grpo.prompts_per_step)]
+
+    def _driver_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict()} if self.is_driver else {}
+
+
+def training_temperature(rollout_cfg) -> float:
+    """The temperature log pi_train is computed at: the engine's sampling temperature, because the
+    engine reports logprobs of logits / T (so the IS ratio compares one distribution); 1.0 when the
+    engine reports raw-logit logprobs (rollout.return_original_logprob)."""
+    return 1.0 if rollout_cfg.return_original_logprob else rollout_cfg.temperature
+
+
+def _signal_groups(adv: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    k = int(group_ids.max()) + 1
+    nonzero = torch.zeros(k, dtype=torch.bool)
+    nonzero.index_put_((group_ids,), adv != 0, accumulate=True)
+    return nonzero
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
