@@ -33,7 +33,10 @@ setup(
         "aiohttp>=3.9",
         "matplotlib>=3.8",
         "lingua-language-detector>=2.0",
-        "pyarrow>=14",  # parquet files of the public QA sets (data/public.py)
+        "pyarrow>=15",  # parquet / Arrow datasets; datasets 4.0 needs >= 15
+        # every dataset path (files, Hub-layout and save_to_disk folders) is read through it, offline
+        # (data/hf_datasets.py); 4.0.0 and 5.2.0 tested. It needs no torch (only its [torch] extra would).
+        "datasets>=4.0",
         "psutil>=5.9",  # megatron.core.dist_checkpointing's file writer needs it (weights/checkpoint.py)
     ],
     extras_require={

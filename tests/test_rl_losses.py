@@ -88,6 +88,21 @@ def test_ppo_clip_with_pi_old_by_hand():
     d_old = [-0.2, -0.15, 0.4, -0.2]  # log pi_old - log mu: the mismatch is measured at pi_old
     assert float(met["mismatch_kl_k1"]) == pytest.approx(sum(-x for x in d_old) / 4, rel=1e-9)
     assert float(met["is_weight_mean"]) == pytest.approx(sum(E(x) for x in d_old) / 4, rel=1e-12)
+    q = [0.3, -0.05, -0.4, 0.0]  # log pi_theta - log pi_old: the policy's drift from pi_old
+    assert float(met["policy_kl_k1"]) == pytest.approx(sum(-x for x in q) / 4, rel=1e-9)
+    assert float(met["policy_kl_k3"]) == pytest.approx(sum(E(x) - 1 - x for x in q) / 4, rel=1e-9)
+    assert float(met["policy_log_ratio_abs_max"]) == pytest.approx(0.4, rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_fn", [token_is_loss, sequence_is_loss])
+def test_policy_drift_is_exactly_zero_at_pi_old_and_absent_without_it(loss_fn):
+    """The first of several updates sees pi_theta == pi_old: every drift metric is exactly 0, not small."""
+    lt, li, adv, m = batch()
+    _, met = loss_fn(lt, li, adv, m, logp_old=lt.detach().clone())
+    assert float(met["policy_kl_k1"]) == 0.0 and float(met["policy_kl_k3"]) == 0.0
+    assert float(met["policy_log_ratio_abs_max"]) == 0.0
+    _, plain = loss_fn(lt, li, adv, m)
+    assert not any(k.startswith("policy_") for k in plain)
 
 
 def test_sequence_is_by_hand():

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f = dsub.add_parser("sft", help="SFT trajectories with real search_web calls + preference-oriented examples")
     add_config_args(f)
     f.add_argument("--world", required=True, help="world directory")
-    f.add_argument("--qa", required=True, help="synthetic QA JSONL (from `data synth`)")
+    f.add_argument("--qa", required=True, help="synthetic QA JSONL (from `data synth`), or a folder of QA records")
     f.add_argument("--out", required=True)
     f.add_argument("--instruction", type=int, default=None, help="instruction-following examples (default: data.sft)")
     f.add_argument("--abstention", type=int, default=None, help="abstention examples (default: data.sft)")
@@ -40,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     m = dsub.add_parser("mix", help="draw RL prompts from the QA / rubric mix (resumable with --state)")
     add_config_args(m)
-    m.add_argument("--qa", required=True, nargs="+", help="QA JSONL file(s) in the common record schema")
-    m.add_argument("--rubric", nargs="*", default=[], help="rubric chat JSONL file(s)")
+    m.add_argument("--qa", required=True, nargs="+",
+                   help="QA file(s) or folder(s) in the common record schema (JSONL, parquet, Arrow, Hub layout)")
+    m.add_argument("--rubric", nargs="*", default=[], help="rubric chat JSONL file(s) or folder(s)")
     m.add_argument("-n", "--num", type=int, required=True, help="prompts to draw")
     m.add_argument("--state", help="sampler state JSON: loaded when present, saved after drawing")
     m.add_argument("--out", required=True)
@@ -50,9 +51,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = dsub.add_parser("convert", help="public QA sets -> common record schema, quality-filtered")
     add_config_args(c)
     c.add_argument("--input", nargs="+", required=True, metavar="SOURCE=PATH",
-                   help="training files, e.g. deepdive=dd.parquet bamboogle=bamboogle.csv")
+                   help="training files or folders (Hub layout / save_to_disk), e.g. deepdive=dd.parquet "
+                        "bamboogle=bamboogle.csv webshaper=./WebShaper")
     c.add_argument("--eval", nargs="*", default=[], metavar="SOURCE=PATH",
                    help="evaluation files (simpleqa=..., frames=...): their questions are removed from training")
+    c.add_argument("--split", default=None, help="split of the --input folders to read (default: each one's only split)")
+    c.add_argument("--eval-split", default=None, help="split of the --eval folders to read (default: the only split)")
+    c.add_argument("--streaming", action="store_true",
+                   help="stream the inputs (no Arrow copy in the datasets cache; for sets larger than memory or disk)")
     c.add_argument("--out", required=True, help="converted, filtered training records (JSONL)")
     c.add_argument("--eval-out", help="also write the converted evaluation records here")
     c.add_argument("--synthetic", help="synthetic QA JSONL to match to the public mix's scale")
@@ -134,8 +140,8 @@ def run_synth(args) -> int:
 
 @_clean_errors
 def run_sft(args) -> int:
-    from megatron_search.data.jsonl import read_jsonl, write_jsonl
-    from megatron_search.data.records import QARecord
+    from megatron_search.data.jsonl import write_jsonl
+    from megatron_search.data.records import read_records
     from megatron_search.data.sft import SFTBuilder
     from megatron_search.data.world import World
     from megatron_search.search.local import LocalSearchBackend
@@ -145,7 +151,7 @@ def run_sft(args) -> int:
     world = World.load(args.world)
     backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], snippet_chars=cfg.search.snippet_chars)
     tool = SearchTool(backend, cfg.search.max_results, cfg.search.max_query_chars, cfg.search.max_calls)
-    records = [QARecord.from_dict(r, f"{args.qa}:{i}") for i, r in enumerate(read_jsonl(args.qa), 1)]
+    records = list(read_records(args.qa))
     builder = SFTBuilder(tool, world, cfg.data.sft.seed)
     n_instr = cfg.data.sft.instruction_examples if args.instruction is None else args.instruction
     n_abst = cfg.data.sft.abstention_examples if args.abstention is None else args.abstention
@@ -157,13 +163,13 @@ def run_sft(args) -> int:
 
 @_clean_errors
 def run_mix(args) -> int:
-    from megatron_search.data.jsonl import atomic_write_json, read_jsonl, write_jsonl
+    from megatron_search.data.jsonl import atomic_write_json, write_jsonl
     from megatron_search.data.mix import MixSampler, qa_item, rubric_item
-    from megatron_search.data.records import QARecord
+    from megatron_search.data.records import read_records
 
     cfg = load_from_args(args).data
-    qa = [qa_item(QARecord.from_dict(r, f"{p}:{i}")) for p in args.qa for i, r in enumerate(read_jsonl(p), 1)]
-    rubric = [rubric_item(r) for p in args.rubric for r in read_jsonl(p)]
+    qa = [qa_item(r) for p in args.qa for r in read_records(p)]
+    rubric = [rubric_item(row) for p in args.rubric for _, row in _rows(p)]
     datasets = {"qa": qa, "rubric": rubric}
     weights = {k: v for k, v in cfg.mix.items() if datasets.get(k) or v > 0}
     if not rubric and weights.get("rubric", 0) > 0:
@@ -181,6 +187,17 @@ def run_mix(args) -> int:
     return 0
 
 
+def _rows(path: str):
+    """(file:line, row) of every row of a file or folder read through `datasets`; a bad row is a DataError."""
+    from megatron_search.data.hf_datasets import iter_rows
+    from megatron_search.data.jsonl import DataError
+
+    for row in iter_rows(path):
+        if row.error:
+            raise DataError(f"{row.where}: {row.error}")
+        yield row.where, row.data
+
+
 def _pairs(items: list[str]) -> list[tuple[str, str]]:
     out = []
     for it in items:
@@ -193,15 +210,17 @@ def _pairs(items: list[str]) -> list[tuple[str, str]]:
 
 @_clean_errors
 def run_convert(args) -> int:
-    from megatron_search.data.jsonl import SkipCounter, read_jsonl, write_jsonl
+    from megatron_search.data.jsonl import SkipCounter, write_jsonl
     from megatron_search.data.prompts import load_keyed
-    from megatron_search.data.public import FilterReport, convert_file, format_augment, match_scale, quality_filter
-    from megatron_search.data.records import QARecord
+    from megatron_search.data.public import FilterReport, format_augment, iter_convert, match_scale, quality_filter
+    from megatron_search.data.records import read_records
 
     cfg = load_from_args(args).data.convert
     skips = SkipCounter()
-    train = [r for src, p in _pairs(args.input) for r in convert_file(src, p, cfg.on_error, skips, _progress())]
-    evals = [r for src, p in _pairs(args.eval) for r in convert_file(src, p, cfg.on_error, skips, _progress())]
+    train = [r for src, p in _pairs(args.input)
+             for r in iter_convert(src, p, cfg.on_error, skips, _progress(), args.split, args.streaming)]
+    evals = [r for src, p in _pairs(args.eval)
+             for r in iter_convert(src, p, cfg.on_error, skips, _progress(), args.eval_split, args.streaming)]
     report = FilterReport()
     kept = quality_filter(train, evals, cfg.max_answer_chars, report)
     kept = format_augment(kept, load_keyed(cfg.format_prompts), cfg.augment_fraction, cfg.seed)
@@ -215,7 +234,7 @@ def run_convert(args) -> int:
     if args.synthetic:
         if not args.synthetic_out:
             raise SystemExit("data convert: --synthetic needs --synthetic-out")
-        syn = [QARecord.from_dict(r, f"{args.synthetic}:{i}") for i, r in enumerate(read_jsonl(args.synthetic), 1)]
+        syn = list(read_records(args.synthetic, streaming=args.streaming))
         sample = match_scale(syn, len(kept), cfg.seed)
         write_jsonl(args.synthetic_out, sample)
         print(f"convert: {len(sample)} synthetic records (scale-matched) -> {args.synthetic_out}")
@@ -226,7 +245,7 @@ def run_convert(args) -> int:
 def run_rubrics(args) -> int:
     import asyncio
 
-    from megatron_search.data.jsonl import read_jsonl, write_jsonl
+    from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.llm_client import LLMClient
     from megatron_search.data.rubrics import RubricPipeline, item_from_row
 
@@ -241,7 +260,7 @@ def run_rubrics(args) -> int:
         items = [item_from_row(row, f"demo:{i}") for i, row in enumerate(demo_rubric_rows(World.load(args.world), args.demo,
                                                                                            cfg.seed), 1)]
     else:
-        items = [item_from_row(row, f"{args.input}:{i}") for i, row in enumerate(read_jsonl(args.input), 1)]
+        items = [item_from_row(row, where) for where, row in _rows(args.input)]
     rc = cfg.rubric
 
     async def go():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .common import add_config_args, load_from_args
 
@@ -27,11 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p)
     p.add_argument("--model", action="append", default=[], metavar="NAME=SPEC", required=True,
                    help="a model to evaluate: engine URL or HF checkpoint dir (repeat to compare)")
-    p.add_argument("--records", action="append", default=[], help="converted QA JSONL (QARecord), e.g. the demo's qa.jsonl")
+    p.add_argument("--records", action="append", default=[], help="converted QA records (QARecord JSONL / parquet, or a Hub-layout / save_to_disk folder), e.g. the demo's qa.jsonl")
     p.add_argument("--split", default=None, help="split of --records to evaluate (e.g. test)")
-    p.add_argument("--simpleqa", action="append", default=[], help="SimpleQA CSV (metadata,problem,answer)")
-    p.add_argument("--frames", action="append", default=[], help="FRAMES: the upstream TSV (Prompt, Answer) or the CSV copy (question, true_answer)")
-    p.add_argument("--facts", action="append", default=[], help="FACTS-style JSONL")
+    p.add_argument("--simpleqa", action="append", default=[],
+                   help="SimpleQA CSV (metadata,problem,answer), or a local folder of it in the Hub's layout")
+    p.add_argument("--frames", action="append", default=[],
+                   help="FRAMES: the upstream TSV (Prompt, Answer), the CSV copy (question, true_answer), or a folder")
+    p.add_argument("--facts", action="append", default=[], help="FACTS-style JSONL / parquet, or a folder")
+    p.add_argument("--folder-split", default=None,
+                   help="split to read from --simpleqa / --frames / --facts folders (default: a folder's only split)")
     p.add_argument("--index", default=None, help="local search index dir (default: the search config section)")
     p.add_argument("--corpus", default=None, help="corpus JSONL the abstention set withholds evidence from")
     p.add_argument("--out", required=True, help="run directory (results.jsonl, report, plots); reused = resume")
@@ -89,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         if args.sbs_baseline is not None and args.sbs_baseline not in models:
             raise ValueError(f"--sbs-baseline {args.sbs_baseline!r} is not one of the --model names")
         specs = [BenchmarkSpec("records", p, args.split) for p in args.records]
-        specs += [BenchmarkSpec(k, p) for k in ("simpleqa", "frames", "facts") for p in getattr(args, k)]
+        specs += [BenchmarkSpec(k, p, args.folder_split if Path(p).is_dir() else None)
+                  for k in ("simpleqa", "frames", "facts") for p in getattr(args, k)]
         if not specs:
             raise ValueError("no benchmark given (--records / --simpleqa / --frames / --facts)")
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_eval)
 
     c = rsub.add_parser("convert", help="chosen/rejected records -> preference pairs JSONL")
-    c.add_argument("--input", required=True)
+    c.add_argument("--input", required=True,
+                   help="JSONL / parquet / Arrow file, or a folder in the Hub's layout or saved with save_to_disk")
+    c.add_argument("--split", default=None, help="the folder's split to read (default: its only split)")
     c.add_argument("--out", required=True)
     c.add_argument("--source", required=True, help="source name stored with every pair")
     c.add_argument("--skip-bad", action="store_true", help="skip and count bad records instead of failing")
@@ -209,13 +211,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from megatron_search.data.jsonl import DataError
     from megatron_search.rm.data import PreferenceDataError, ReadStats, convert_file, write_pairs
 
     stats = ReadStats()
     try:
         pairs = convert_file(args.input, args.source, on_bad="skip" if args.skip_bad else "error", seed=args.seed,
-                             stats=stats)
-    except (OSError, PreferenceDataError) as e:
+                             stats=stats, split=args.split)
+    except (OSError, PreferenceDataError, DataError) as e:  # DataError: a path that is no local file or folder
         return _fail(str(e))
     write_pairs(args.out, pairs)
     print(f"{args.input}: {stats.summary()} -> {args.out}")

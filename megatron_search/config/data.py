@@ -99,8 +99,9 @@ class RubricConfig(Section):
 
 
 class DataConfig(Section):
-    qa_path: Optional[str] = Field(None, description="verifiable QA JSONL (question, answer, ...)")
-    rubric_path: Optional[str] = Field(None, description="rubric chat JSONL (messages, rubrics)")
+    qa_path: Optional[str] = Field(None, description="verifiable QA records (data/records.py): JSONL / parquet / "
+                                   "Arrow file, or a local folder in the Hub's layout or saved with save_to_disk")
+    rubric_path: Optional[str] = Field(None, description="rubric chat rows (messages, rubrics): a file or folder as qa_path")
     mix: dict[str, float] = Field(
         default_factory=lambda: {"qa": 0.9, "rubric": 0.1},
         description="dataset-level sampling weights (RECIPE 4.3: 90% verifiable QA, 10% rubric chat)",

@@ -9,7 +9,7 @@ from .base import Section
 
 
 class OptimConfig(Section):
-    lr: PositiveFloat = 1e-6
+    lr: NonNegativeFloat = Field(1e-6, description="peak learning rate; 0 = a control run (every step taken, no update)")
     min_lr: NonNegativeFloat = 0.0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: NonNegativeInt = 0
@@ -34,7 +34,8 @@ class SFTConfig(Section):
         True, description="cut each batch to its longest row (rounded up to what sequence parallelism needs) "
         "instead of seq_length: same cross-entropy for less compute when rows are short (ours)")
     datasets: dict[str, float] = Field(
-        default_factory=dict, description="JSONL path -> sampling weight of the SFT mix"
+        default_factory=dict, description="dataset path (JSONL / parquet / Arrow file, or a local Hub-layout / save_to_disk "
+        "folder) -> sampling weight of the SFT mix"
     )
 
 

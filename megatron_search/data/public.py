@@ -5,7 +5,10 @@ Training sets: DeepDive, SealQA, Bamboogle (Press et al. 2023), WebShaper, WebWa
 sets converted too, for the eval/train overlap filter: SimpleQA and FRAMES. Column layouts follow each
 dataset's published files (FACTS.md); column names are matched case-insensitively because copies
 differ (WebWalkerQA's card writes `Question`/`Root_Url`/`Info`, its files `question`/...).
-A bad row raises an error naming file and line, or is skipped and counted (on_error="skip").
+Files are read through Hugging Face `datasets` (data/hf_datasets.py): a single file, a folder in the
+Hub's layout or a save_to_disk folder, eagerly (memory-mapped Arrow) or streamed (`streaming=True`,
+for sets larger than memory). A bad row raises an error naming file and line (text formats) or file
+and row (parquet / Arrow), or is skipped and counted (on_error="skip").
 """
 from __future__ import annotations
 
@@ -14,15 +17,16 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 from tqdm import tqdm
 
 from .jsonl import DataError, SkipCounter
 from megatron_search.text import normalize_answer
 
+from .hf_datasets import iter_rows
 from .records import QARecord
-from .tables import read_rows
 
 TRAIN_SOURCES = ("deepdive", "sealqa", "bamboogle", "webshaper", "webwalkerqa")
 EVAL_SOURCES = ("simpleqa", "frames")
@@ -111,25 +115,26 @@ CONVERTERS: dict[str, Callable[[dict], tuple]] = {
 }
 
 
-def convert_file(source: str, path: str, on_error: str = "raise", skips: Optional[SkipCounter] = None,
-                 progress: bool = False) -> list[QARecord]:
-    """Convert one file of `source` to records; a bad row raises DataError "<file>:<line>: ..." or is skipped."""
+def iter_convert(source: str, path: str, on_error: str = "raise", skips: Optional[SkipCounter] = None,
+                 progress: bool = False, split: Optional[str] = None, streaming: bool = False) -> Iterator[QARecord]:
+    """Records of one split of `source` at `path`, one at a time (with streaming=True the file is read as
+    they are consumed); a bad row raises DataError "<file>:<line>: ..." / "<file> (row N): ..." or is skipped."""
     if source not in CONVERTERS:
         raise DataError(f"unknown source {source!r}; known: {sorted(CONVERTERS)}")
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    split = "test" if source in EVAL_SOURCES else "train"
-    out = []
-    for loc, row in tqdm(read_rows(path), desc=f"convert {source}", unit=" rows", disable=not progress):
+    record_split = "test" if source in EVAL_SOURCES else "train"
+    single_file = Path(path).is_file()
+    rows = iter_rows(path, split, streaming)
+    for row in tqdm(rows, desc=f"convert {source}", unit=" rows", disable=not progress):
         try:
-            if "__error__" in row:
-                raise ValueError(row["__error__"])
-            question, answers, meta, rid = CONVERTERS[source](row)
+            if row.error:
+                raise ValueError(row.error)
+            question, answers, meta, rid = CONVERTERS[source](row.data)
             if not isinstance(question, str) or not question.strip():
                 raise ValueError("empty question")
         except (KeyError, ValueError, SyntaxError, TypeError) as e:
-            where = f"{path}:{loc.split()[-1]}" if loc.startswith("line") else f"{path} ({loc})"
-            msg = f"{where}: bad {source} row: {str(e).strip(chr(39))}"
+            msg = f"{row.where}: bad {source} row: {str(e).strip(chr(39))}"
             if on_error == "raise":
                 raise DataError(msg) from None
             if skips is not None:
@@ -137,8 +142,14 @@ def convert_file(source: str, path: str, on_error: str = "raise", skips: Optiona
             continue
         digest = hashlib.sha256(question.strip().encode()).hexdigest()[:12]
         rid = f"{source}-{rid}" if rid not in (None, "") else f"{source}-{digest}"
-        out.append(QARecord(str(rid), question.strip(), answers, source, split, dict(meta, location=loc)))
-    return out
+        loc = row.loc if single_file else f"{row.file} {row.loc}"
+        yield QARecord(str(rid), question.strip(), answers, source, record_split, dict(meta, location=loc))
+
+
+def convert_file(source: str, path: str, on_error: str = "raise", skips: Optional[SkipCounter] = None,
+                 progress: bool = False, split: Optional[str] = None, streaming: bool = False) -> list[QARecord]:
+    """All records of iter_convert as a list."""
+    return list(iter_convert(source, path, on_error, skips, progress, split, streaming))
 
 
 @dataclass

@@ -6,7 +6,7 @@ and format-augmented rows add `format_instruction` (the answer stays the same).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .jsonl import DataError
 
@@ -55,3 +55,30 @@ class QARecord:
         if unknown:
             raise DataError(f"{where}: unknown field(s) {sorted(unknown)}")
         return cls(**d)
+
+
+def read_records(path, split: Optional[str] = None, streaming: bool = False) -> Iterator[QARecord]:
+    """QA records of one split of a file or folder (JSONL, parquet, Arrow, a Hub-layout or save_to_disk
+    folder) read through `datasets` (data/hf_datasets.py); `split` is the dataset split, not the records'
+    `split` field. A bad row is a DataError naming file:line (JSONL) or file (row N)."""
+    for _, rec in read_records_where(path, split, streaming):
+        yield rec
+
+
+def read_records_where(path, split: Optional[str] = None, streaming: bool = False) -> Iterator[tuple[str, QARecord]]:
+    """(where, record) pairs of read_records, where = "file:line" or "file (row N)" for later errors."""
+    from .hf_datasets import iter_rows
+
+    for row in iter_rows(path, split, streaming):
+        if row.error:
+            raise DataError(f"{row.where}: {row.error}")
+        yield row.where, QARecord.from_dict(_drop_absent(row.data), row.where)
+
+
+def _drop_absent(d: dict) -> dict:
+    """A row's optional top-level fields that are None left out: in Arrow a column some rows fill is None
+    in the others, and from_dict should see the record a JSONL line without those fields gives."""
+    return {k: v for k, v in d.items() if not (v is None and k in _OPTIONAL)}
+
+
+_OPTIONAL = ("hops", "chain", "format_instruction", "metadata")

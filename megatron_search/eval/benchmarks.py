@@ -16,20 +16,25 @@ question in `question`/`prompt`/`user_request`/`problem`, gold in `answers`/`ans
 `subsample(examples, limit, seed)` keeps the `limit` examples with the smallest sha256(seed:id):
 deterministic, independent of file order, and nested (a larger limit keeps every smaller one's
 examples), so partial runs at different limits share their results. The original order is kept.
+
+Every set is read through Hugging Face `datasets` (data/hf_datasets.py), offline: a path is a file, a
+folder in the Hub's layout (e.g. data/test-00000-of-00001.parquet) or a save_to_disk folder; `split`
+names a folder's split (default: its only one). For converted record sets `split` also keeps the
+records whose own `split` field matches (a folder without that split is read whole, then filtered).
+The sets are small, so each is read whole into memory.
 """
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megatron_search.data.jsonl import DataError, read_jsonl
+from megatron_search.data.hf_datasets import column_names, iter_rows, missing_path_error, splits
+from megatron_search.data.jsonl import DataError
 from megatron_search.data.public import CONVERTERS, convert_file
-from megatron_search.data.records import QARecord
-from megatron_search.data.tables import read_rows
+from megatron_search.data.records import QARecord, read_records_where
 
 KINDS = ("simpleqa", "frames", "facts", "records")
 _FACTS_QUESTION = ("question", "prompt", "user_request", "problem")
@@ -66,25 +71,14 @@ def _unique(examples: list[EvalExample], path) -> list[EvalExample]:
     return examples
 
 
-def load_simpleqa(path: str | Path) -> list[EvalExample]:
-    return _unique([_from_record(r, "simpleqa", str(path)) for r in convert_file("simpleqa", str(path))], path)
+def load_simpleqa(path: str | Path, split: Optional[str] = None) -> list[EvalExample]:
+    return _unique([_from_record(r, "simpleqa", str(path)) for r in convert_file("simpleqa", str(path), split=split)], path)
 
 
-def _columns(path: str | Path) -> list[str]:
-    """The column names of a table file: its header line for .csv/.tsv, else the keys of its first row."""
-    p = Path(path)
-    if p.suffix.lower() in (".csv", ".tsv"):
-        with open(p, encoding="utf-8", newline="") as f:
-            header = next(csv.reader(f, delimiter="\t" if p.suffix.lower() == ".tsv" else ","), [])
-        return [c.lstrip("\ufeff") for c in header]
-    for _, row in read_rows(p):
-        return [] if "__error__" in row else [str(k) for k in row]
-    return []
-
-
-def frames_layout(path: str | Path) -> str:
-    """"upstream" (Prompt / Answer) or "csv_copy" (question / true_answer), from the header; else DataError."""
-    cols = _columns(path)
+def frames_layout(path: str | Path, split: Optional[str] = None) -> str:
+    """"upstream" (Prompt / Answer) or "csv_copy" (question / true_answer), from the header (or the
+    Arrow columns); else DataError."""
+    cols = column_names(path, split)
     have = {c.strip().lower() for c in cols}
     found = [name for name, need in FRAMES_LAYOUTS.items() if {n.lower() for n in need} <= have]
     if len(found) == 1:
@@ -95,15 +89,16 @@ def frames_layout(path: str | Path) -> str:
                     f"case-insensitive; columns found: {cols}")
 
 
-def _frames_csv_copy(path: str | Path) -> list[EvalExample]:
+def _frames_csv_copy(path: str | Path, split: Optional[str]) -> list[EvalExample]:
     """The CSV copy, row by row through data/public.py's FRAMES converter after renaming its two columns."""
     out = []
-    for loc, row in read_rows(path):
-        where = f"{path}:{loc.split()[-1]}" if loc.startswith("line") else f"{path} ({loc})"
+    single_file = Path(path).is_file()
+    for row in iter_rows(path, split):
+        where, loc = row.where, (row.loc if single_file else f"{row.file} {row.loc}")
         try:
-            if "__error__" in row:
-                raise ValueError(row["__error__"])
-            renamed = {_CSV_COPY_TO_UPSTREAM.get(str(k).lstrip("\ufeff").strip().lower(), k): v for k, v in row.items()}
+            if row.error:
+                raise ValueError(row.error)
+            renamed = {_CSV_COPY_TO_UPSTREAM.get(str(k).lstrip("\ufeff").strip().lower(), k): v for k, v in row.data.items()}
             question, answers, meta, _ = CONVERTERS["frames"](renamed)
             if not isinstance(question, str) or not question.strip():
                 raise ValueError("empty question")
@@ -116,11 +111,11 @@ def _frames_csv_copy(path: str | Path) -> list[EvalExample]:
     return out
 
 
-def load_frames(path: str | Path) -> list[EvalExample]:
+def load_frames(path: str | Path, split: Optional[str] = None) -> list[EvalExample]:
     """FRAMES in either layout (module docstring)."""
-    if frames_layout(path) == "csv_copy":
-        return _unique(_frames_csv_copy(path), path)
-    return _unique([_from_record(r, "frames", str(path)) for r in convert_file("frames", str(path))], path)
+    if frames_layout(path, split) == "csv_copy":
+        return _unique(_frames_csv_copy(path, split), path)
+    return _unique([_from_record(r, "frames", str(path)) for r in convert_file("frames", str(path), split=split)], path)
 
 
 def _first(row: dict, names: tuple[str, ...]):
@@ -131,30 +126,35 @@ def _first(row: dict, names: tuple[str, ...]):
     return None
 
 
-def load_facts(path: str | Path) -> list[EvalExample]:
-    """FACTS-style JSONL (see module docstring); ids default to the line number."""
+def load_facts(path: str | Path, split: Optional[str] = None) -> list[EvalExample]:
+    """FACTS-style rows (see module docstring); ids default to facts-<n>, n the row's 1-based position."""
     out = []
-    for lineno, row in enumerate(read_jsonl(path), 1):
-        q, a = _first(row, _FACTS_QUESTION), _first(row, _FACTS_ANSWER)
+    for n, row in enumerate(iter_rows(path, split), 1):
+        if row.error:
+            raise DataError(f"{row.where}: {row.error}")
+        where = f"{row.where}: row {n}" if row.unit == "line" else f"{row.file}: row {n}"
+        q, a = _first(row.data, _FACTS_QUESTION), _first(row.data, _FACTS_ANSWER)
         if not isinstance(q, str) or not q.strip():
-            raise DataError(f"{path}: row {lineno}: no question (one of {list(_FACTS_QUESTION)})")
+            raise DataError(f"{where}: no question (one of {list(_FACTS_QUESTION)})")
         answers = [a] if isinstance(a, str) else a
         if not isinstance(answers, list) or not answers or not all(isinstance(x, str) and x.strip() for x in answers):
-            raise DataError(f"{path}: row {lineno}: gold answer must be a non-empty string or list of strings "
+            raise DataError(f"{where}: gold answer must be a non-empty string or list of strings "
                             f"(one of {list(_FACTS_ANSWER)})")
-        rid = str(row.get("id", f"facts-{lineno}"))
-        meta = {k: v for k, v in row.items() if k.lower() not in _FACTS_QUESTION + _FACTS_ANSWER + ("id",)}
+        rid = row.data.get("id")
+        rid = str(rid) if rid is not None else f"facts-{n}"
+        meta = {k: v for k, v in row.data.items() if k.lower() not in _FACTS_QUESTION + _FACTS_ANSWER + ("id",)}
         out.append(EvalExample(rid, q.strip(), tuple(x.strip() for x in answers), "facts", meta))
     return _unique(out, path)
 
 
 def load_records(path: str | Path, split: Optional[str] = None, benchmark: Optional[str] = None) -> list[EvalExample]:
-    """A converted QA set (QARecord JSONL, e.g. the embedded demo's qa.jsonl); `split` keeps one split."""
+    """A converted QA set (QARecord rows, e.g. the embedded demo's qa.jsonl); `split` keeps one split
+    (and picks a folder's split of that name when it has one)."""
+    ds_split = split if Path(path).is_dir() and split in splits(path) else None
     out = []
-    for lineno, row in enumerate(read_jsonl(path), 1):
-        rec = QARecord.from_dict(row, f"{path}:{lineno}")
+    for where, rec in read_records_where(path, ds_split):
         if split is None or rec.split == split:
-            out.append(_from_record(rec, benchmark or rec.source, f"{path}:{lineno}"))
+            out.append(_from_record(rec, benchmark or rec.source, where))
     if not out:
         raise DataError(f"{path}: no examples" + (f" in split {split!r}" if split else ""))
     return _unique(out, path)
@@ -176,14 +176,15 @@ def load_benchmark(kind: str, path: str | Path, limit: int = 0, seed: int = 0, s
     """One of KINDS from `path`, sub-sampled to `limit`. `name` relabels the benchmark (default: the kind)."""
     if kind not in KINDS:
         raise DataError(f"unknown benchmark kind {kind!r}; known: {list(KINDS)}")
-    if not Path(path).is_file():
-        raise DataError(f"benchmark {kind}: no file {path}")
+    if not Path(path).exists():
+        raise DataError(f"benchmark {kind}: {missing_path_error(str(path))}")
     if kind == "records":
         examples = load_records(path, split, name)
     else:
-        if split is not None:
-            raise DataError(f"benchmark {kind}: a split applies only to converted record sets")
-        examples = {"simpleqa": load_simpleqa, "frames": load_frames, "facts": load_facts}[kind](path)
+        if split is not None and not Path(path).is_dir():
+            raise DataError(f"benchmark {kind}: a split applies only to converted record sets and to folders "
+                            f"with named splits; {path} is one file")
+        examples = {"simpleqa": load_simpleqa, "frames": load_frames, "facts": load_facts}[kind](path, split)
     if name is not None:
         examples = [EvalExample(e.id, e.question, e.answers, name, e.metadata) for e in examples]
     return subsample(examples, limit, seed)

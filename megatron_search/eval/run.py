@@ -54,9 +54,11 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
     if isinstance(spec, Engine):
         return spec, False
     if spec.startswith(("http://", "https://")):
+        from megatron_search.rollout.auth import key_from_env
         from megatron_search.rollout.sglang import SGLangClient
 
-        return SGLangClient(spec, timeout_s=cfg.rollout.sglang.request_timeout_s), True
+        return SGLangClient(spec, timeout_s=cfg.rollout.sglang.request_timeout_s,
+                            api_key=key_from_env(cfg.rollout.api_key_env)), True
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"model {spec!r}: neither an engine URL (http://...) nor an HF checkpoint directory "
                          "(no config.json)")

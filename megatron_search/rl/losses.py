@@ -44,8 +44,11 @@ clip_frac (the clipped branch is strictly smaller, so the token gets no gradient
 over masked tokens, the train-inference mismatch with d_t = log pi_ref - log mu_infer
 (pi_ref = pi_old when given, else pi_theta; samples come from mu):
     mismatch_kl_k1 = mean_t(-d_t),   mismatch_kl_k3 = mean_t(exp(d_t) - 1 - d_t),
-both estimators of KL(mu_infer || pi_ref) (k3 is non-negative per token). Also num_tokens,
-num_sequences.
+both estimators of KL(mu_infer || pi_ref) (k3 is non-negative per token). With logp_old, also the
+drift of the policy from pi_old over masked tokens, with q_t = log pi_theta - log pi_old:
+    policy_kl_k1 = mean_t(-q_t),   policy_kl_k3 = mean_t(exp(q_t) - 1 - q_t),   policy_log_ratio_abs_max = max_t |q_t|,
+estimators of KL(pi_old || pi_theta) on tokens sampled from mu ~ pi_old; all three are exactly 0 on
+the first of several updates, where pi_theta is pi_old. Also num_tokens, num_sequences.
 """
 from __future__ import annotations
 
@@ -165,6 +168,12 @@ def _mismatch(logp_ref: Tensor, logp_infer: Tensor, m: Tensor) -> dict[str, Tens
     return {"mismatch_kl_k1": (-d).mean(), "mismatch_kl_k3": (torch.exp(d) - 1.0 - d).mean()}
 
 
+def _policy_drift(lp: Tensor, lp_old: Tensor, m: Tensor) -> dict[str, Tensor]:
+    q = (lp.detach() - lp_old.detach())[m]
+    return {"policy_kl_k1": (-q).mean(), "policy_kl_k3": (torch.exp(q) - 1.0 - q).mean(),
+            "policy_log_ratio_abs_max": q.abs().max()}
+
+
 def _masked_inputs(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high,
                    aggregation, norm_tokens):
     """Validated, upcast inputs with off-mask positions zeroed: (mask, log pi_theta, log mu (detached),
@@ -211,6 +220,8 @@ def token_is_loss(
     metrics["is_truncated_frac"] = (w[m] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[m].float().mean()
     metrics.update(_mismatch(lp_ref, lp_infer, m))
+    if logp_old is not None:
+        metrics.update(_policy_drift(lp, lp_ref, m))
     metrics["num_tokens"] = m.sum().to(lp.dtype)
     metrics["num_sequences"] = m.any(-1).sum().to(lp.dtype)
     return loss, metrics
@@ -252,6 +263,8 @@ def sequence_is_loss(
     metrics["is_truncated_frac"] = (w[seq] > is_cap).float().mean() if is_cap is not None else zero.clone()
     metrics["clip_frac"] = clipped[seq].float().mean()
     metrics.update(_mismatch(lp_ref, lp_infer, m))
+    if logp_old is not None:
+        metrics.update(_policy_drift(lp, lp_ref, m))
     metrics["num_tokens"] = m.sum().to(lp.dtype)
     metrics["num_sequences"] = seq.sum().to(lp.dtype)
     return loss, metrics

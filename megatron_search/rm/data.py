@@ -6,7 +6,9 @@ One pair per line:
      "votes": {"<scoring model>": 0|1, ...}}          (optional; used by the noise filter)
 Bad pairs (identical answers, missing or mistyped fields, labels outside {0, 1}) either stop the
 read with an error naming file:line (on_bad="error") or are skipped and counted per reason
-(on_bad="skip"); nothing is silently repaired.
+(on_bad="skip"); nothing is silently repaired. Files are read through Hugging Face `datasets`
+(data/hf_datasets.py): JSONL, parquet, Arrow, or a folder in the Hub's layout / save_to_disk, eagerly
+or streamed; rows of Arrow formats are named file (row N).
 
 Converters turn common open "chosen/rejected" records into pairs; the presentation order is
 drawn from a seeded hash of the record so the labels are balanced and reproducible.
@@ -17,7 +19,6 @@ Label-noise filter (RECIPE 5.1, Datbench-inspired): keep a pair only when at lea
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,26 +115,29 @@ def _reason(err: PreferenceDataError) -> str:
     return "other"
 
 
-def read_pairs(path: str | Path, on_bad: OnBad = "error", stats: Optional[ReadStats] = None) -> list[PreferencePair]:
-    """All valid pairs of a JSONL file (see the module docstring for on_bad)."""
+def _records(path: str | Path, split: Optional[str], streaming: bool, stats: ReadStats) -> Iterator[tuple[str, Any]]:
+    """(where, record or PreferenceDataError) for every row; counts rows read."""
+    from megatron_search.data.hf_datasets import iter_rows
+
+    for row in iter_rows(path, split, streaming):
+        stats.read += 1
+        yield row.where, (PreferenceDataError(f"{row.where}: {row.error}") if row.error else row.data)
+
+
+def read_pairs(path: str | Path, on_bad: OnBad = "error", stats: Optional[ReadStats] = None,
+               split: Optional[str] = None, streaming: bool = False) -> list[PreferencePair]:
+    """All valid pairs of one split of a file or folder (see the module docstring for on_bad)."""
     stats = stats if stats is not None else ReadStats()
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            stats.read += 1
-            where = f"{path}:{lineno}"
-            try:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PreferenceDataError(f"{where}: not valid JSON ({e.msg})") from None
-                out.append(pair_from_record(rec, where))
-            except PreferenceDataError as e:
-                if on_bad == "error":
-                    raise
-                stats.skipped[_reason(e)] += 1
+    for where, rec in _records(path, split, streaming, stats):
+        try:
+            if isinstance(rec, PreferenceDataError):
+                raise rec
+            out.append(pair_from_record(rec, where))
+        except PreferenceDataError as e:
+            if on_bad == "error":
+                raise
+            stats.skipped[_reason(e)] += 1
     stats.kept = len(out)
     return out
 
@@ -213,26 +217,20 @@ def convert_chosen_rejected(rec: Any, where: str, source: str, seed: int = 0) ->
 
 
 def convert_file(path: str | Path, source: str, on_bad: OnBad = "error", seed: int = 0,
-                 stats: Optional[ReadStats] = None) -> list[PreferencePair]:
-    """A JSONL file of chosen/rejected records -> pairs (bad records: error or counted skip)."""
+                 stats: Optional[ReadStats] = None, split: Optional[str] = None,
+                 streaming: bool = False) -> list[PreferencePair]:
+    """Chosen/rejected records of one split of a file or folder -> pairs (bad records: error or counted skip)."""
     stats = stats if stats is not None else ReadStats()
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            stats.read += 1
-            where = f"{path}:{lineno}"
-            try:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PreferenceDataError(f"{where}: not valid JSON ({e.msg})") from None
-                out.append(convert_chosen_rejected(rec, where, source, seed))
-            except PreferenceDataError as e:
-                if on_bad == "error":
-                    raise
-                stats.skipped[_reason(e)] += 1
+    for where, rec in _records(path, split, streaming, stats):
+        try:
+            if isinstance(rec, PreferenceDataError):
+                raise rec
+            out.append(convert_chosen_rejected(rec, where, source, seed))
+        except PreferenceDataError as e:
+            if on_bad == "error":
+                raise
+            stats.skipped[_reason(e)] += 1
     stats.kept = len(out)
     return out
 

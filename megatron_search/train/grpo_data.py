@@ -4,9 +4,10 @@ Prompts get the production system prompt (the one SFT trajectories and evaluatio
 item brings its own system message, so RL samples the policy in the format it was warmed up on."""
 from __future__ import annotations
 
-from megatron_search.data.jsonl import read_jsonl
+from megatron_search.data.hf_datasets import iter_rows
+from megatron_search.data.jsonl import DataError
 from megatron_search.data.mix import MixItem, MixSampler, qa_item, rubric_item
-from megatron_search.data.records import QARecord
+from megatron_search.data.records import read_records
 from megatron_search.data.sft import SYSTEM_PROMPT
 
 
@@ -23,7 +24,7 @@ def build_eval_items(cfg) -> list[MixItem]:
     d, g = cfg.data, cfg.grpo
     if not d.qa_path:
         raise ValueError("grpo.eval_interval: evaluation answers held-out records of data.qa_path, which is not set")
-    recs = [QARecord.from_dict(r, f"{d.qa_path}:{i + 1}") for i, r in enumerate(read_jsonl(d.qa_path))]
+    recs = list(read_records(d.qa_path))
     items = [with_system_prompt(qa_item(r)) for r in recs if r.split == g.eval_split][: g.eval_prompts]
     if not items:
         raise ValueError(f"grpo.eval_split: no record of split {g.eval_split!r} in {d.qa_path} "
@@ -33,7 +34,8 @@ def build_eval_items(cfg) -> list[MixItem]:
 
 def build_mix_sampler(cfg) -> MixSampler:
     """A MixSampler over data.qa_path (QA records) and data.rubric_path (rubric rows), weighted by
-    data.mix. Every dataset the mix names must have a path and at least one train item."""
+    data.mix. Every dataset the mix names must have a path and at least one train item. Paths are files
+    or folders read through `datasets` (data/hf_datasets.py)."""
     d = cfg.data
     paths = {"qa": d.qa_path, "rubric": d.rubric_path}
     datasets = {}
@@ -46,12 +48,21 @@ def build_mix_sampler(cfg) -> MixSampler:
             raise ValueError(f"data.mix gives {name!r} weight {weight} but data.{name}_path is not set "
                              f"(set it, or drop {name!r} from data.mix)")
         if name == "qa":
-            recs = [QARecord.from_dict(r, f"{d.qa_path}:{i + 1}") for i, r in enumerate(read_jsonl(d.qa_path))]
-            items = [qa_item(r) for r in recs if r.split == "train"]
+            items = [qa_item(r) for r in read_records(d.qa_path) if r.split == "train"]
         else:
-            items = [rubric_item(r) for r in read_jsonl(d.rubric_path) if r.get("split", "train") == "train"]
+            items = [rubric_item(r) for r in _rubric_rows(d.rubric_path) if r.get("split", "train") == "train"]
         if not items:
             raise ValueError(f"data.{name}_path: no train items in {paths[name]}")
         datasets[name] = [with_system_prompt(it) for it in items]
     weights = {k: v for k, v in d.mix.items() if k in datasets}
     return MixSampler(datasets, weights, seed=d.seed)
+
+
+def _rubric_rows(path) -> list[dict]:
+    """Rubric rows of a file or folder; an unreadable row is a DataError naming file:line."""
+    out = []
+    for row in iter_rows(path):
+        if row.error:
+            raise DataError(f"{row.where}: {row.error}")
+        out.append(row.data)
+    return out

@@ -9,6 +9,8 @@ so the model learns to stop). Segments are tokenised separately, exactly as the 
 joins prompt ids and generated ids (token in, token out), so SFT trains on the token
 sequences the policy later sees. Prompts, tool responses and headers carry no loss (RECIPE 2).
 
+Datasets are JSONL files (or parquet / Arrow / Hub-layout or save_to_disk folders) read through Hugging
+Face `datasets` into memory-mapped Arrow (data/hf_datasets.py): rows are parsed when drawn, not held.
 Batches: datasets are mixed by weight with data/mix.py's deterministic, resumable sampler;
 examples are packed greedily into rows of seq_length + 1 tokens (packing=True; attention then
 spans neighbouring examples, as in plain GPT packing: GDN in Megatron 0.16 has no packed-sequence
@@ -19,13 +21,15 @@ beyond the batch's longest. The sampler state is the data position a checkpoint 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from megatron_search.data.jsonl import DataError, read_jsonl
+from megatron_search.data.hf_datasets import row_table
+from megatron_search.data.jsonl import DataError
 from megatron_search.data.mix import MixSampler
 from megatron_search.distributed.step import Batch
 from megatron_search.rollout.chat_format import IM_END, IM_START, ChatFormat
@@ -107,19 +111,40 @@ def tokenize_example(row: dict, tokenizer: ChatTokenizer, fmt: ChatFormat, where
     return TokenizedExample(ids, mask)
 
 
-def load_sft_datasets(paths: dict[str, float]) -> dict[str, list[dict]]:
-    """Every JSONL file of cfg.sft.datasets as a list of rows (each tagged with its file:line)."""
+class SFTRows(Sequence):
+    """One SFT dataset as a random-access sequence of rows, each tagged with `_where` (path:id, or
+    path:#n for rows without an id). The rows stay in memory-mapped Arrow (data/hf_datasets.RowTable)
+    and are parsed when the mix sampler draws them, so a set need not fit in memory."""
+
+    def __init__(self, path: str, split: Optional[str] = None):
+        self.path = path
+        self.table = row_table(path, split)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = i + len(self) if i < 0 else i
+        row = dict(self.table[n])
+        rid = row.get("id")
+        row["_where"] = f"{self.path}:{rid if rid is not None else '#' + str(n + 1)}"
+        return row
+
+
+def load_sft_datasets(paths: dict[str, float]) -> dict[str, SFTRows]:
+    """Every dataset of cfg.sft.datasets (a JSONL / parquet / Arrow file, or a folder in the Hub's layout or
+    saved with save_to_disk, read through `datasets`) as random-access rows tagged with their file:id.
+    Every row is read once here, so a malformed line fails now, naming its file and line."""
     if not paths:
         raise DataError("sft.datasets is empty: give at least one JSONL path with a weight (sft.datasets={path: w})")
     out = {}
     for path in paths:
-        if not Path(path).is_file():
-            raise DataError(f"sft.datasets: no such file {path}")
-        rows = []
-        for i, row in enumerate(read_jsonl(path), 1):
-            row["_where"] = f"{path}:{row.get('id', '#' + str(i))}"
-            rows.append(row)
-        if not rows:
+        if not Path(path).exists():
+            raise DataError(f"sft.datasets: no such file or folder {path}")
+        rows = SFTRows(path)
+        if not len(rows):
             raise DataError(f"sft.datasets: {path} has no rows")
         out[path] = rows
     return out
