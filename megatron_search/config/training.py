@@ -44,7 +44,8 @@ class CheckpointConfig(Section):
     save_interval: PositiveInt = 50
     keep_last: PositiveInt = 3
     resume: bool = False
-    load: Optional[str] = Field(None, description="checkpoint to start from (weights only unless resume)")
+    load: Optional[str] = Field(None, description="checkpoint to start from (weights only unless resume; with resume, "
+                                "used only when the run has no checkpoint of its own yet)")
 
 
 class LoggingConfig(Section):

@@ -163,7 +163,10 @@ class Trainer:
         return load_run(self, Path(path))
 
     def resume(self) -> dict:
-        """When cfg.checkpoint.resume: load the latest checkpoint under the root (or cfg.checkpoint.load).
+        """When cfg.checkpoint.resume: load the run's own latest checkpoint (under the root) when it has one,
+        else cfg.checkpoint.load. The run's own progress wins: a GRPO run initialised from an SFT checkpoint
+        (checkpoint.load) and requeued with checkpoint.resume=true continues from its own last step, never
+        from the SFT checkpoint's iteration.
 
         Returns the saved `extra` ({} when starting fresh). Raises when resume is asked for but no
         checkpoint exists, so a typo in the path never silently restarts from scratch.
@@ -173,8 +176,9 @@ class Trainer:
         ck = self.cfg.checkpoint
         if not ck.resume:
             return {}
-        source = Path(ck.load) if ck.load else self.root
-        path = source if (source / "trainer.json").is_file() else latest_checkpoint(source)
+        own = latest_checkpoint(self.root) if self.root.is_dir() else None
+        source = self.root if own is not None or not ck.load else Path(ck.load)
+        path = own or (source if (source / "trainer.json").is_file() else latest_checkpoint(source))
         if path is None:
             raise FileNotFoundError(f"checkpoint.resume: no complete checkpoint under {source}")
         return self.load(path)
