@@ -6,7 +6,9 @@
 #   --nodes N              nodes for --dry-run outside Slurm (default: the config's cluster.nodes)
 #   --tasks-per-node N     training ranks per node (default: cluster.gpus_per_node)
 #   key.sub=value          config overrides, passed to training unchanged
-# Environment: MS_PYTHON, MS_LOG_DIR, MS_MASTER_PORT, MS_HEALTH_TIMEOUT (s), MS_SRUN_ARGS.
+# Environment: MS_PYTHON, MS_LOG_DIR, MS_MASTER_PORT, MS_HEALTH_TIMEOUT (s), MS_SRUN_ARGS, and the engines'
+# API key in the variable rollout.api_key_env names (default MEGATRON_SEARCH_ENGINE_KEY; generated per job
+# when unset; srun hands it to every engine and rank, so MS_SRUN_ARGS must not drop it with --export).
 set -euo pipefail
 
 MS_REPO=${MS_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
@@ -78,6 +80,19 @@ if not cfg.checkpoint.resume and latest_checkpoint(root) is not None:
 PY
 }
 
+# The engines' API key: from $MS_ENGINE_KEY_ENV (the plan's rollout.api_key_env) or generated for this job,
+# exported so every srun step inherits it. Never echoed, never an argument: python prints it into a variable.
+ms_engine_key() {
+  if [ -z "${!MS_ENGINE_KEY_ENV:-}" ]; then
+    local key; key=$("$MS_PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))')
+    printf -v "$MS_ENGINE_KEY_ENV" '%s' "$key"
+    ms_log "engine API key: generated for this job in \$$MS_ENGINE_KEY_ENV"
+  else
+    ms_log "engine API key: from \$$MS_ENGINE_KEY_ENV"
+  fi
+  export "${MS_ENGINE_KEY_ENV?}"
+}
+
 ms_start_servers() {
   local i
   mkdir -p "$MS_LOG_DIR/sglang"
@@ -126,6 +141,7 @@ ms_main() {
   export MASTER_PORT=${MS_MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
   trap ms_cleanup EXIT
   trap ms_on_preempt USR1 TERM
+  ms_engine_key
   ms_log "job ${SLURM_JOB_ID:-?}: ${#MS_TRAIN_NODES[@]} training node(s) x $MS_TASKS_PER_NODE ranks, master $MASTER_ADDR:$MASTER_PORT"
   if [ "$MS_ENGINE_COUNT" -gt 0 ]; then
     ms_start_servers

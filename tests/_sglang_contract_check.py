@@ -8,6 +8,10 @@ environment variables and patches transformers). Prints one JSON object on its l
    with sglang's MultiprocessingSerializer and compared bitwise with what was sent.
 2. Rendezvous: our trainer-side open_weight_group (rank 0) and sglang's init_custom_process_group
    (rank 1, as an SGLang server calls it) meet, and a broadcast arrives bitwise.
+3. API key: for every route the local server serves, the auth level SGLang's http_server.py gives it
+   (read from its decorators; routes it lacks get NORMAL, as its middleware does), and our
+   request_allowed against sglang's decide_request_auth over methods x Authorization headers; and that
+   --api-key is the only way in (no environment variable) and ends up in what SGLang logs.
 """
 from __future__ import annotations
 
@@ -205,8 +209,72 @@ def check_rendezvous() -> dict:
     return {"rendezvous_equal": torch.equal(torch.tensor(got).bfloat16(), sent), "engine_exit": p.exitcode}
 
 
+LOCAL_ROUTES = [  # everything rollout/local_server.build_app registers, and one route nobody serves
+    "/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
+    "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
+    "/update_weight_version", "/pause_generation", "/continue_generation", "/release_memory_occupation",
+    "/resume_memory_occupation", "/flush_cache", "/health", "/health_generate", "/get_model_info",
+    "/get_weight_version", "/local/weights_sha256", "/local/memory", "/v1/chat/completions", "/no_such_route"]
+
+
+def _sglang_route_levels() -> dict:
+    """{path: auth level name} from the @app.<method>/@app.api_route and @auth_level decorators of http_server.py."""
+    import ast
+    import importlib.util
+
+    src = Path(importlib.util.find_spec("sglang.srt.entrypoints.http_server").origin).read_text()  # not imported:
+    # its imports (uvicorn, fastapi, the tokenizer manager) are not installed here
+    levels = {}
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        paths, level = [], "NORMAL"
+        for d in node.decorator_list:
+            if not isinstance(d, ast.Call) or not isinstance(d.func, (ast.Attribute, ast.Name)):
+                continue
+            name = d.func.attr if isinstance(d.func, ast.Attribute) else d.func.id
+            if name in ("get", "post", "put", "api_route") and d.args and isinstance(d.args[0], ast.Constant):
+                paths.append(d.args[0].value)
+            elif name == "auth_level" and d.args and isinstance(d.args[0], ast.Attribute):
+                level = d.args[0].attr
+        for path in paths:
+            levels[path] = level
+    return levels
+
+
+def check_auth() -> dict:
+    from sglang.srt.environ import Envs
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    from megatron_search.rollout.auth import request_allowed
+
+    key = "k3y-0123456789-abcdef"
+    sglang_levels = _sglang_route_levels()
+    levels = {path: sglang_levels.get(path, "NORMAL") for path in LOCAL_ROUTES}
+    headers = [None, "", key, f"Bearer {key}", f"bearer {key}", f"BEARER {key}", f"Bearer  {key}", f"Bearer {key} ",
+               f"Bearer {key[:-1]}", f"Basic {key}", "Bearer", f"Token {key}"]
+    mismatches, cases = [], 0
+    for path, level in levels.items():
+        for method in ("GET", "POST", "PUT", "OPTIONS"):
+            for h in headers:
+                want = decide_request_auth(method=method, path=path, authorization_header=h, api_key=key,
+                                           admin_api_key=None, auth_level=AuthLevel[level])
+                got = request_allowed(method, path, h, key)
+                cases += 1
+                if got != want.allowed or (not want.allowed and want.error_status_code != 401):
+                    mismatches.append([method, path, h, level, got, want.allowed, want.error_status_code])
+    args = prepare_server_args(["--model-path", "configs/models/tiny_qwen3_moe", "--api-key", key])
+    logged = args.resolved_dict()  # what engine.py logs as server_args={...} at startup
+    env_names = [n for n in vars(Envs) if "API_KEY" in n and "EXA" not in n]
+    return {"auth_cases": cases, "auth_mismatches": mismatches, "auth_levels": levels,
+            "local_routes_sglang_lacks": sorted(p for p in LOCAL_ROUTES if p not in sglang_levels),
+            "api_key_flag": args.api_key == key, "sglang_logs_key": logged.get("api_key") == key
+            and key in (args.launch_command or ""), "api_key_env_vars": env_names}
+
+
 if __name__ == "__main__":
     import sglang
 
-    result = {"sglang": sglang.__version__, **check_requests(), **check_rendezvous()}
+    result = {"sglang": sglang.__version__, **check_requests(), **check_rendezvous(), **check_auth()}
     print(json.dumps(result))

@@ -49,7 +49,10 @@ def _reference_sha(chunks, arch, groups, arch_dir: str, bucket_bytes: int):
 
 
 def _engine_sha(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/local/weights_sha256", timeout=60) as r:
+    from megatron_search.rollout.auth import bearer_header, key_from_env
+
+    req = urllib.request.Request(f"{url}/local/weights_sha256", headers=bearer_header(key_from_env()))
+    with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
 

@@ -1,5 +1,6 @@
 """Slurm launch plans: node split, SGLang engines, training argv, and the sbatch scripts' --dry-run."""
 import os
+import secrets
 import subprocess
 
 import pytest
@@ -58,8 +59,41 @@ def test_bad_split_is_refused():
 
 
 def test_sbatch_script_dry_run_without_slurm():
+    """The dry run shows the engines' API key passing through the environment ($MEGATRON_SEARCH_ENGINE_KEY, read by
+    rollout/sglang_serve.py), never on a command line: a key set in the environment appears nowhere in it."""
+    key = secrets.token_urlsafe(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    env["MEGATRON_SEARCH_ENGINE_KEY"] = key
     out = subprocess.run(["bash", "slurm/grpo_397b.sh", "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "world 256" in out.stdout and "[node032] python -m sglang.launch_server" in out.stdout
+    engine = "[node032] python -m megatron_search.rollout.sglang_serve --api-key-env MEGATRON_SEARCH_ENGINE_KEY --model-path"
+    assert "world 256" in out.stdout and engine in out.stdout
+    assert "engine API key: $MEGATRON_SEARCH_ENGINE_KEY in the environment" in out.stdout
     assert "FITS" in out.stdout
+    assert key not in out.stdout + out.stderr and "--api-key " not in out.stdout
+
+
+def test_plan_names_the_key_variable_and_no_argv_holds_a_key():
+    from megatron_search.launch.slurm_plan import to_shell
+
+    p = plan_for(["rollout.api_key_env=MY_ENGINE_KEY"], "n[1-2]")
+    assert all(e.argv[1:5] == ["-m", "megatron_search.rollout.sglang_serve", "--api-key-env", "MY_ENGINE_KEY"]
+               and "--api-key" not in e.argv for e in p.engines)
+    assert "MS_ENGINE_KEY_ENV=MY_ENGINE_KEY" in to_shell(p).splitlines()
+
+
+def test_job_script_generates_a_key_per_job_or_keeps_the_given_one(tmp_path):
+    """slurm/lib.sh's ms_engine_key: a fresh secrets.token_urlsafe(32) exported when the variable is unset (two jobs,
+    two keys), the job's own key kept otherwise; the log names the variable, never the value."""
+    script = ('source slurm/lib.sh; MS_ENGINE_KEY_ENV=MY_ENGINE_KEY; ms_engine_key; '
+              'python3 -c "import os; print(os.environ[\'MY_ENGINE_KEY\'])"')
+    env = {k: v for k, v in os.environ.items() if k != "MY_ENGINE_KEY"}
+    runs = [subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60) for _ in range(2)]
+    keys = [r.stdout.strip() for r in runs]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert keys[0] != keys[1] and all(len(k) == 43 for k in keys)  # 32 random bytes, base64url
+    assert all("generated for this job in $MY_ENGINE_KEY" in r.stderr and k not in r.stderr for r, k in zip(runs, keys))
+    given = secrets.token_urlsafe(32)
+    kept = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={**env, "MY_ENGINE_KEY": given},
+                          timeout=60)
+    assert kept.stdout.strip() == given and "from $MY_ENGINE_KEY" in kept.stderr and given not in kept.stderr

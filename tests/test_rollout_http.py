@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
+from megatron_search.rollout.auth import bearer_header, key_from_env
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.engine import EngineError
 from megatron_search.rollout.local_runner import load_hf_model
@@ -52,6 +53,7 @@ def server(tokenizer, tmp_path_factory):
                              "rollout.local.max_running_requests=64", "rollout.local.startup_timeout_s=300"])
     engines = start_engines(cfg, tmp_path_factory.mktemp("srv"))
     assert len(engines.servers) == 1 and engines.clients[0].base_url == engines.servers[0].url
+    assert key_from_env() is not None  # the job's key (generated here unless set), which raw requests below send
     yield engines.servers[0]
     engines.stop_servers()
 
@@ -165,7 +167,7 @@ def test_errors_and_control_endpoints(server):
     async def go():
         client = SGLangClient(server.url)
         try:
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers=bearer_header(key_from_env())) as s:
                 async with s.post(f"{server.url}/generate", json={"input_ids": "abc"}) as resp:
                     assert resp.status == 400 and "input_ids" in (await resp.json())["message"]
                 async with s.post(f"{server.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"topk": 3}}) as resp:
@@ -194,7 +196,7 @@ def test_openai_chat_completions(server, tokenizer, model_a):
         ids = ids[: ids.index(tok.im_end_id) + 1]
 
     async def go():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=bearer_header(key_from_env())) as s:
             body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
             async with s.post(f"{server.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200, await resp.text()

@@ -2,7 +2,9 @@
 client against a fake server that answers with SGLang-shaped JSON, and launch failures."""
 import asyncio
 import base64
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +124,130 @@ def test_colocated_sglang_without_memory_saver_is_refused():
     with pytest.raises(ConfigError, match="enable_memory_saver: colocated engines release their memory"):
         load_config(None, ["rollout.engine=sglang", "rollout.mode=colocated", "rollout.sglang.enable_memory_saver=false"])
     load_config(None, ["rollout.engine=sglang", "rollout.mode=disaggregated", "rollout.sglang.enable_memory_saver=false"])
+
+
+def test_client_sends_the_key_on_every_request_and_never_shows_it(monkeypatch):
+    """An explicit key, the one in the variable use_key_env names, or none: the Authorization header of every
+    request (GET and POST) says which, and neither repr nor a refusal message holds the key."""
+    from megatron_search.rollout import auth
+
+    headers = []
+
+    async def record(request):
+        headers.append(request.headers.get("Authorization"))
+        return web.json_response({"success": True, "weight_version": "1", "model_path": "/m"})
+
+    async def go(client):
+        try:
+            await client.get_model_info()
+            await client.begin_weight_update()
+            return await client.health()
+        finally:
+            await client.close()
+
+    async def run(make):
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            return await go(make(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"))
+        finally:
+            await runner.cleanup()
+
+    given, from_env = "g" * 12 + "-given-key", "e" * 12 + "-env-key-1"
+    monkeypatch.setenv("MS_TEST_CLIENT_KEY", from_env)
+    monkeypatch.setattr(auth, "_client_key_env", "MS_TEST_CLIENT_KEY")
+    assert asyncio.run(run(lambda u: SGLangClient(u, api_key=given)))
+    assert asyncio.run(run(lambda u: SGLangClient(u)))
+    monkeypatch.delenv("MS_TEST_CLIENT_KEY")
+    assert asyncio.run(run(lambda u: SGLangClient(u)))
+    assert headers == [f"Bearer {given}"] * 3 + [f"Bearer {from_env}"] * 3 + [None] * 3
+    assert given not in repr(SGLangClient("http://x", api_key=given))
+    with pytest.raises(auth.EngineKeyError, match=r"\$MS_TEST_CLIENT_KEY: the engine API key must be at least 16"):
+        monkeypatch.setenv("MS_TEST_CLIENT_KEY", "short")
+        SGLangClient("http://x")
+
+
+STAND_IN = '''
+"""Stand-in for `python -m sglang.launch_server` (test only): logs its arguments the way SGLang 0.5.23 does
+(server_args=... with api_key and launch_command), writes the key split over two writes, prints it from a
+spawned worker, records what it saw, then answers /health on --port until stopped."""
+import http.server, json, multiprocessing as mp, os, sys, time
+
+NAME = os.environ["PROBE_KEY_ENV"]
+
+def cmdline():
+    return open("/proc/self/cmdline", "rb").read().decode(errors="replace")
+
+def worker(q):
+    print("worker argv ends", sys.argv[-1], flush=True)
+    q.put({"env": os.environ.get(NAME), "cmdline": cmdline()})
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    key = argv[argv.index("--api-key") + 1]
+    print("server_args=" + repr({"api_key": key, "launch_command": " ".join(argv)}), flush=True)
+    sys.stderr.write("split " + key[:7]); sys.stderr.flush(); time.sleep(0.3)
+    sys.stderr.write(key[7:] + " end\\n"); sys.stderr.flush()
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=worker, args=(q,)); p.start()
+    child = q.get(timeout=120); p.join()
+    rec = {"key": key, "cmdline": cmdline(), "env": os.environ.get(NAME), "child": child}
+    open(os.environ["PROBE_OUT"], "w").write(json.dumps(rec))
+    port = int(argv[argv.index("--port") + 1])
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def test_sglang_gets_the_key_from_the_environment_not_argv_and_logs_never_show_it(tmp_path, monkeypatch):
+    """launch_sglang_servers through rollout/sglang_serve.py with a stand-in SGLang main: the key (generated for
+    the job, the variable being unset) reaches SGLang's parser as --api-key in memory; it is on no process's
+    command line, left in no worker's environment, and every copy SGLang's logging would print is redacted,
+    also when written in pieces and from a spawned worker."""
+    import json
+    import socket
+
+    from megatron_search.rollout.sglang import launch_sglang_servers
+
+    pkg = tmp_path / "standin" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(STAND_IN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("MS_TEST_SGLANG_KEY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'standin'}:{Path.cwd()}")
+    monkeypatch.setenv("PROBE_KEY_ENV", "MS_TEST_SGLANG_KEY")
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "record.json"))
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.mode=disaggregated", "rollout.sglang.model_path=/m",
+                             f"rollout.sglang.base_port={port}", "rollout.sglang.startup_timeout_s=120",
+                             "rollout.api_key_env=MS_TEST_SGLANG_KEY"])
+    servers = launch_sglang_servers(cfg, tmp_path)
+    try:
+        key = os.environ["MS_TEST_SGLANG_KEY"]  # generated for this job and exported
+        assert len(key) >= 40
+        rec = json.loads((tmp_path / "record.json").read_text())
+        argv = servers[0].argv
+        assert argv[1:5] == ["-m", "megatron_search.rollout.sglang_serve", "--api-key-env", "MS_TEST_SGLANG_KEY"]
+        assert rec["key"] == key and key not in " ".join(argv)
+        assert key not in rec["cmdline"] and key not in rec["child"]["cmdline"]
+        assert "megatron_search.rollout.sglang_serve" in rec["cmdline"]
+        assert rec["env"] is None and rec["child"]["env"] is None
+        assert key not in open(f"/proc/{servers[0].proc.pid}/cmdline").read()
+    finally:
+        for s in servers:
+            s.stop()
+    log = (tmp_path / cfg.rollout.sglang.log_dir / "server_0.log").read_text()
+    assert key not in log
+    assert "'api_key': '<redacted>'" in log and "--api-key <redacted>" in log
+    assert "split <redacted> end" in log and "worker argv ends <redacted>" in log

@@ -2,7 +2,10 @@
 `scripts/install.sh --dev` without its GPU dependencies): every request our client sends is one
 SGLang's server accepts (its request types, every key a known field, generate normalised and its
 sampling params verified, each TP rank's tensor payload opened by SGLang's serializer), and our
-weight-update group meets the one SGLang's init_custom_process_group creates.
+weight-update group meets the one SGLang's init_custom_process_group creates. The local server's API-key
+rule decides as sglang's decide_request_auth on every route it serves (levels read from SGLang's
+http_server.py); --api-key is SGLang's only way to take the key and SGLang logs it, which is why
+SGLang starts through rollout/sglang_serve.py.
 
 The check runs in a child process (tests/_sglang_contract_check.py): importing sglang sets
 environment variables and patches transformers, which must not leak into the rest of the suite.
@@ -32,3 +35,11 @@ def test_client_requests_and_rendezvous_are_sglangs_own():
     assert set(result["checked"]) == ENDPOINTS
     assert result["problems"] == []
     assert result["rendezvous_equal"] is True and result["engine_exit"] == 0
+    assert result["auth_mismatches"] == [] and result["auth_cases"] == 22 * 4 * 12
+    levels = result["auth_levels"]
+    assert set(levels.values()) <= {"NORMAL", "ADMIN_OPTIONAL"}  # no ADMIN_FORCE route: a 401 is the only refusal
+    assert levels["/update_weights_from_tensor"] == levels["/update_weights_from_distributed"] == "ADMIN_OPTIONAL"
+    # ours only (and 0.5.23 answers weight_version in /get_model_info, not at /get_weight_version): guarded as NORMAL
+    assert result["local_routes_sglang_lacks"] == ["/get_weight_version", "/local/memory", "/local/weights_sha256",
+                                                   "/no_such_route"]
+    assert result["api_key_flag"] and result["sglang_logs_key"] and result["api_key_env_vars"] == []

@@ -282,13 +282,18 @@ def test_engines_sharing_a_node_see_disjoint_gpus(cluster, tmp_path):
     """The GRPO plan's SGLang engines started by slurm/lib.sh under Slurm: 2 nodes x 2 GPUs (gres), one
     1-GPU engine per GPU. Each engine process (tests/slurm/probe records it) runs on its planned node,
     sees the node's GPUs as Slurm exposes them to a step, and its --base-gpu-id picks a GPU no other
-    engine on that node uses; ports and sampling seeds differ per engine."""
+    engine on that node uses; ports and sampling seeds differ per engine. Every engine got the job's API key
+    from the environment: as SGLang's --api-key in memory, never on its command line, and not left in its
+    environment; the key is in no log."""
+    import hashlib
     import json
+    import secrets
 
     env = _job_env(cluster, tmp_path)
     probe = tmp_path / "probe"
     probe.mkdir()
-    env.update(MS_REPO=str(REPO), MS_PROBE_DIR=str(probe))
+    key = secrets.token_urlsafe(32)
+    env.update(MS_REPO=str(REPO), MS_PROBE_DIR=str(probe), MEGATRON_SEARCH_ENGINE_KEY=key)
     log = tmp_path / "job.out"
     job = _submit(env, "tests/slurm/engine_probe.sh", log, [
         "--tasks-per-node", "1", "rollout.engine=sglang", "rollout.sglang.tp=1", "cluster.gpus_per_node=2",
@@ -320,3 +325,9 @@ def test_engines_sharing_a_node_see_disjoint_gpus(cluster, tmp_path):
         assert sorted(gpus_used) == ["0", "1"], (node, gpus_used)  # disjoint, and every GPU serves
         assert len({arg(r, "--port") for r in rs}) == 2, node
     assert len({arg(r, "--random-seed") for r in records}) == 4
+    want = hashlib.sha256(key.encode()).hexdigest()
+    for r in records:
+        assert r["api_key_sha256"] == want and arg(r, "--api-key") == want, r
+        assert not r["api_key_in_cmdline"] and not r["api_key_in_environ"], r
+    logs = [log, *sorted((tmp_path / "logs" / "sglang").glob("*.log"))]
+    assert len(logs) == 5 and not any(key in p.read_text(errors="replace") for p in logs)

@@ -230,6 +230,7 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
 
     import torch
 
+    from megatron_search.rollout.auth import bearer_header, key_from_env
     from megatron_search.rollout.local_runner import load_hf_model
     from megatron_search.rollout.local_weights import load_named_tensors, weights_sha256
     from megatron_search.rollout.sglang import SGLangClient, launch_local_server
@@ -263,7 +264,8 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
             for b in export_hf_weights(chunks, model_arch, bucket, ctx.groups):
                 load_named_tensors(reference, b)
             want = weights_sha256(reference)
-            with urllib.request.urlopen(f"{server.url}/local/weights_sha256", timeout=300) as r:
+            probe = urllib.request.Request(f"{server.url}/local/weights_sha256", headers=bearer_header(key_from_env()))
+            with urllib.request.urlopen(probe, timeout=300) as r:
                 got = json.loads(r.read())
             keys = [n for n in want if ".visual." not in n]  # the vision tower is not trained, never synced
             out["modes"][mode] = {"version": got["weight_version"], "expected_version": tag, "buckets": stats.buckets,

@@ -7,6 +7,8 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from .base import Section
 
+DEFAULT_ENGINE_KEY_ENV = "MEGATRON_SEARCH_ENGINE_KEY"  # rollout.api_key_env's default (rollout/auth.py)
+
 
 class SearchConfig(Section):
     backend: Literal["local", "searxng"] = "local"
@@ -63,6 +65,9 @@ class LocalEngineConfig(Section):
     )
     host: str = "127.0.0.1"
     port: NonNegativeInt = Field(0, description="0 = pick a free port")
+    max_request_mb: PositiveInt = Field(
+        64, description="largest request body the local server reads (HTTP 413 beyond), except "
+        "/update_weights_from_tensor: that one admits a base64 weight-sync bucket (see local_server.body_limits)")
     weight_version: str = Field("default", description="initial weight version (SGLang's default name)")
     startup_timeout_s: PositiveFloat = Field(120.0, description="health wait after launching the server process")
 
@@ -72,6 +77,12 @@ class RolloutConfig(Section):
     mode: Literal["colocated", "disaggregated"] = "colocated"
     num_engines: PositiveInt = 1
     engine_urls: list[str] = Field(default_factory=list, description="already running engines (disaggregated)")
+    api_key_env: str = Field(
+        DEFAULT_ENGINE_KEY_ENV, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the engines' API key (Authorization: Bearer, SGLang's --api-key): "
+        "engines we start get it through the environment, never on a command line, and clients attaching to "
+        "engine_urls send it; unset = generated per job (secrets.token_urlsafe) and exported to the job's "
+        "processes. The key itself is never in the config, logs or argv")
     max_new_tokens: PositiveInt = Field(1024, description="per assistant turn during training")
     max_total_tokens: PositiveInt = Field(8192, description="whole transcript budget")
     max_turns: PositiveInt = Field(

@@ -5,9 +5,11 @@ size against the parallel layout (the same rules as config validation), initiali
 group (nccl on GPU, gloo on CPU, or cfg.parallel.backend), Megatron's TP/PP/VPP/CP/EP/ETP groups
 and RNG seeds, and switches on the CPU compatibility layer when there is no GPU. The returned
 `DistContext` carries the ranks and Megatron's ProcessGroupCollection; `teardown()` undoes it all.
+It also gives every rank rank 0's rollout-engine API key (`share_engine_key`).
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_search.rollout.auth import EngineKeyError, job_key, use_key_env
 
 from .env import DistEnv, read_dist_env
 
@@ -90,6 +94,25 @@ def _init_process_group(env: DistEnv, backend: str, timeout_s: float) -> bool:
     return True
 
 
+def share_engine_key(name: str) -> None:
+    """Rank 0's engine API key ($name, generated there when unset: rollout/auth.job_key) into $name on every rank,
+    and clients built without a key read $name. The driver (rank 0) starts local engines with it; every rank
+    pushes weights to them. A job script that exported the key gives every rank the same one anyway."""
+    if dist.get_rank() == 0:
+        try:
+            msg = ["key", job_key(name)]
+        except EngineKeyError as e:
+            msg = ["error", str(e)]
+    else:
+        msg = [None, None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(msg, src=0)  # an object collective: pickled, placed on the group's device
+    if msg[0] == "error":
+        raise EngineKeyError(f"rank 0: {msg[1]}")
+    os.environ[name] = msg[1]
+    use_key_env(name)
+
+
 def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) -> DistContext:
     """Initialise torch.distributed and Megatron model parallel for `cfg`; see module docstring."""
     from megatron.core import parallel_state as ps
@@ -113,6 +136,7 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) 
         enable_cpu_compat()
         device = torch.device("cpu")
     owns = _init_process_group(env, backend, timeout_s)
+    share_engine_key(cfg.rollout.api_key_env)
     p = cfg.parallel
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -3,6 +3,10 @@
 The sbatch scripts stay small: they ask this module for the plan (`megatron-search launch-plan`),
 which prints shell assignments, and then run the commands. Everything that needs judgement (which
 nodes train, which serve SGLang, how many engines, the exact argv) is here, where it is tested.
+
+Engines are authenticated: the plan names the environment variable (`rollout.api_key_env`) that
+carries the job's API key to every engine and training rank; slurm/lib.sh fills it (generated per
+job unless already set) and srun passes it on. No key is ever part of a command line or the plan.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class LaunchPlan:
     master_node: str
     engines: list[Engine] = field(default_factory=list)
     train_argv: list[str] = field(default_factory=list)
+    api_key_env: str = ""  # the variable holding the engines' API key (the key is never in the plan)
 
     @property
     def world_size(self) -> int:
@@ -59,7 +64,7 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     sg = cfg.rollout.sglang.model_copy(update={
         "host": "0.0.0.0", "enable_memory_saver": colocated and cfg.rollout.sglang.enable_memory_saver})
     argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed + engine_index,
-                          base_gpu_id=base_gpu_id)
+                          base_gpu_id=base_gpu_id, api_key_env=cfg.rollout.api_key_env)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
@@ -91,7 +96,7 @@ def make_launch_plan(
         train_nodes = nodes[: len(nodes) - c.rollout_nodes]
     else:
         train_nodes = nodes
-    plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0])
+    plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0], api_key_env=cfg.rollout.api_key_env)
     if stage == "grpo" and cfg.rollout.engine == "sglang":
         serve_nodes = rollout_nodes or nodes
         gpus_per_engine = cfg.rollout.sglang.tp * cfg.rollout.sglang.dp
@@ -143,6 +148,7 @@ def to_shell(plan: LaunchPlan, addr_of=lambda n: n) -> str:
         f"MS_MASTER_NODE={q(plan.master_node)}",
         f"MS_TRAIN_ARGV={arr(plan.train_argv)}",
         f"MS_ENGINE_COUNT={len(plan.engines)}",
+        f"MS_ENGINE_KEY_ENV={q(plan.api_key_env)}",
     ]
     for i, e in enumerate(plan.engines):
         lines.append(f"MS_ENGINE_NODE_{i}={q(e.node)}")
@@ -162,6 +168,8 @@ def describe(plan: LaunchPlan) -> str:
     ]
     if plan.rollout_nodes:
         lines.append(f"rollout nodes: {len(plan.rollout_nodes)} ({plan.rollout_nodes[0]}..{plan.rollout_nodes[-1]})")
+    lines.append(f"engine API key: ${plan.api_key_env} in the environment of every engine and rank (generated per job "
+                 "when unset; never on a command line)")
     lines.append(f"SGLang engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes)")
     for e in plan.engines:
         lines.append(f"  [{e.node}] {q(e.argv)}")

@@ -14,8 +14,19 @@ from typing import Any
 from aiohttp import web
 
 from .chat_format import ChatFormat
+from .http_input import BadRequest, field, read_json
 from .tokenizer import ChatEncoder, ChatTokenizer, load_tokenizer
 from .types import GenerateRequest, SamplingParams
+
+
+def _check_function(item, where: str) -> dict:
+    """The function object of an OpenAI tool or tool call ({"function": {"name": ...}} or flat), checked."""
+    fn = item.get("function", item) if isinstance(item, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where} must be an object with function.name (a string)")
+    if not isinstance(fn.get("arguments", {}), (dict, str)):
+        raise ValueError(f"{where}: function.arguments must be an object or a JSON string")
+    return fn
 
 
 class ChatEndpoint:
@@ -52,20 +63,39 @@ class ChatEndpoint:
                 raise ValueError(f"{where}: messages[{i}] needs a 'role'")
             if m.get("content") is not None and not isinstance(m["content"], str):
                 raise ValueError(f"{where}: messages[{i}].content must be a string (content parts are not supported)")
-        if body.get("stream"):
+            if m["role"] in ("user", "tool") and "content" not in m:
+                raise ValueError(f"{where}: messages[{i}] ({m['role']}) needs a 'content'")
+            if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
+                raise ValueError(f"{where}: messages[{i}].reasoning_content must be a string")
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ValueError(f"{where}: messages[{i}].tool_calls must be a list")
+            for j, c in enumerate(calls):
+                _check_function(c, f"{where}: messages[{i}].tool_calls[{j}]")
+        if field(body, "stream", bool, False, where):
             raise ValueError(f"{where}: stream=true is not supported by the local engine")
-        if int(body.get("n", 1)) != 1:
+        if field(body, "n", int, 1, where) != 1:
             raise ValueError(f"{where}: only n=1 is supported")
-        tools = body.get("tools") or None
+        tools = field(body, "tools", list, None, where) or None
+        for i, t in enumerate(tools or []):
+            fn = _check_function(t, f"{where}: tools[{i}]")
+            params = fn.get("parameters")
+            if params is not None and not (isinstance(params, dict) and isinstance(params.get("properties") or {}, dict)
+                                           and all(isinstance(v, dict) for v in (params.get("properties") or {}).values())):
+                raise ValueError(f"{where}: tools[{i}].function.parameters must be a JSON schema object with "
+                                 "object-valued properties")
         tool_choice = body.get("tool_choice", "auto")
         if not isinstance(tool_choice, str):
             raise ValueError(f"{where}: tool_choice must be 'auto', 'none' or 'required'")
         ids = self.encoder.prompt_ids(messages, tools, tool_choice=tool_choice)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.default_max_tokens
+        max_tokens = field(body, "max_completion_tokens", int, None, where) or field(body, "max_tokens", int, None, where)
+        seed = field(body, "seed", int, None, where)
+        if seed is not None and not 0 <= seed < 1 << 63:
+            raise ValueError(f"{where}: field 'seed' must be in [0, 2**63), got {seed}")
         sampling = SamplingParams(
-            max_new_tokens=int(max_tokens), temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)), stop_token_ids=tuple(self.encoder.stop_ids),
-            seed=None if body.get("seed") is None else int(body["seed"]),
+            max_new_tokens=max_tokens or self.default_max_tokens,
+            temperature=field(body, "temperature", float, 1.0, where),
+            top_p=field(body, "top_p", float, 1.0, where), stop_token_ids=tuple(self.encoder.stop_ids), seed=seed,
         )
         return GenerateRequest(ids, sampling, return_logprob=False), tools
 
@@ -97,11 +127,10 @@ class ChatEndpoint:
         if self.engine is None:
             raise RuntimeError("ChatEndpoint: no engine attached (build_app attaches the server's engine)")
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("/v1/chat/completions: body must be a JSON object")
-            req, tools = self._request(body)
+            req, tools = self._request(await read_json(request))
             res = await self.engine.generate(req)
+        except BadRequest as e:
+            return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=e.status)
         except (ValueError, TypeError, KeyError) as e:
             return web.json_response({"error": {"message": str(e), "type": "invalid_request_error"}}, status=400)
         return web.json_response(self.response(req, res, tools))

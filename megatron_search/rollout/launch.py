@@ -4,6 +4,10 @@
 - `rollout.engine = "local"`: `rollout.num_engines` local CPU engine servers (processes).
 - `rollout.engine = "sglang"`: SGLang servers (`rollout.sglang`), optionally behind sglang-router.
 Every client is an `SGLangClient`; callers never branch on the engine kind.
+
+Every engine is authenticated with the key in `$rollout.api_key_env`: attached engines must already
+hold it; engines started here get it (generated for the job when the variable is unset, and exported
+so later processes and clients of this one share it) through the environment (rollout/auth.py).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .auth import job_key, key_from_env, use_key_env
 from .sglang import SGLangClient, ServerProcess, launch_local_server, launch_router, launch_sglang_servers
 
 
@@ -44,8 +49,12 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     arch = cfg.model.architecture
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     timeout = r.sglang.request_timeout_s
+    use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
     if r.engine_urls:
-        return RolloutEngines([SGLangClient(u, timeout, moe_shape, tp_size=r.sglang.tp) for u in r.engine_urls])
+        key = key_from_env(r.api_key_env)
+        return RolloutEngines([SGLangClient(u, timeout, moe_shape, tp_size=r.sglang.tp, api_key=key)
+                               for u in r.engine_urls])
+    key = job_key(r.api_key_env)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if r.engine == "local":
@@ -59,23 +68,25 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
         try:
             for i in range(r.num_engines):
                 servers.append(launch_local_server(str(config_path), [], out / f"local_engine_{i}.log",
-                                                   r.local.startup_timeout_s, host=r.local.host))
+                                                   r.local.startup_timeout_s, host=r.local.host, api_key=key,
+                                                   api_key_env=r.api_key_env))
         except BaseException:
             for s in servers:
                 s.stop()
             raise
-        return RolloutEngines([SGLangClient(s.url, timeout, moe_shape) for s in servers], servers)
+        return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
     servers = launch_sglang_servers(cfg, out)
     if r.sglang.use_router and len(servers) > 1:
         try:
             router = launch_router([s.url for s in servers], r.sglang.host, r.sglang.router_port,
-                                   out / r.sglang.log_dir / "router.log")
+                                   out / r.sglang.log_dir / "router.log", api_key_env=r.api_key_env)
         except BaseException:
             for s in servers:
                 s.stop()
             raise
-        clients = [SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp) for s in servers]
-        return RolloutEngines(clients, servers + [router], SGLangClient(router.url, timeout, moe_shape, "sglang"))
-    return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp) for s in servers],
-                          servers)
+        clients = [SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp, api_key=key) for s in servers]
+        return RolloutEngines(clients, servers + [router],
+                              SGLangClient(router.url, timeout, moe_shape, "sglang", api_key=key))
+    return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp, api_key=key)
+                           for s in servers], servers)
 

@@ -8,13 +8,18 @@ Same paths, request fields and response shapes as SGLang, so `SGLangClient` driv
 /get_model_info, /get_weight_version, and OpenAI-compatible /v1/chat/completions.
 Binds 127.0.0.1 unless told otherwise.
 
+With a key in `$rollout.api_key_env` (or `--api-key-env NAME`) the server refuses what SGLang started
+with `--api-key` refuses: 401 on every route but OPTIONS and /health*, /ready*, /metrics* without
+`Authorization: Bearer <key>` (rollout/auth.py). Bad input is a 4xx naming the field that changes
+nothing (rollout/http_input.py: body limits per route, JSON objects, typed fields; weight updates
+are checked whole before the first write, rollout/local_weights.py).
+
 Run: python -m megatron_search.rollout.local_server [config.yaml] [key=value ...] [--port N] [--device cuda]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -23,7 +28,9 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
+from .auth import EngineKeyError, key_from_env, request_allowed
 from .engine import EngineError, encode_routed_experts
+from .http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
 from .local import LocalEngine
 from .local_weights import LOCAL_TENSOR_FORMAT, WeightUpdateError, deserialize_named_tensors
 from .sglang import LOCAL_ENGINE_NAME
@@ -32,77 +39,121 @@ from .types import GenerateRequest, SamplingParams
 log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 CHAT_KEY = web.AppKey("chat", object)
+API_KEY = web.AppKey("api_key", str)
+SIZES_KEY = web.AppKey("parameter_sizes", tuple)  # (largest parameter's elements, all parameters' elements)
+TENSOR_ROUTE = "/update_weights_from_tensor"
+DEFAULT_LIMITS = {"default": 64 << 20, TENSOR_ROUTE: 1 << 31}
 
 
-class BadRequest(ValueError):
-    """The request body is wrong; the message names the field."""
-
-
-async def _json(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"{request.path}: body is not valid JSON ({e.msg} at {e.pos})") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"{request.path}: body must be a JSON object")
-    return body
-
-
-def _field(body: dict, name: str, kind, default: Any = ..., path: str = "") -> Any:
-    if name not in body or body[name] is None:
-        if default is ...:
-            raise BadRequest(f"{path}: missing required field {name!r}")
-        return default
-    value = body[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise BadRequest(f"{path}: field {name!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    return value
+def body_limits(cfg) -> dict:
+    """Per-route body limits: rollout.local.max_request_mb, and for TENSOR_ROUTE one weight-sync bucket as the
+    client sends it (base64 of the safetensors blob: 4/3 of the bucket, whose size is the larger of
+    Config.weight_bucket_bytes and the largest tensor, which travels whole) plus that much headroom."""
+    default = cfg.rollout.local.max_request_mb << 20
+    bucket = max(cfg.weight_bucket_bytes(), cfg.largest_weight_bytes())
+    return {"default": default, TENSOR_ROUTE: 4 * -(-bucket // 3) + default}
 
 
 def _ok(message: str = "Succeeded") -> web.Response:
     return web.json_response({"success": True, "message": message})
 
 
+def _refusal(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"success": False, "message": message, "error": {"message": message}}, status=status)
+
+
 def handler(fn: Callable) -> Callable:
-    """Map bad input to 400 and engine refusals to 400 with SGLang's {success, message} body."""
+    """Map bad input to 400 (413 for an oversized body) and engine refusals to 400 with SGLang's {success, message}."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
             return await fn(request, request.app[ENGINE_KEY])
-        except (BadRequest, ValueError, WeightUpdateError, EngineError) as e:
-            return web.json_response({"success": False, "message": str(e), "error": {"message": str(e)}}, status=400)
+        except BadRequest as e:
+            return _refusal(str(e), e.status)
+        except (ValueError, WeightUpdateError, EngineError) as e:
+            return _refusal(str(e))
 
     return wrapped
 
 
+@web.middleware
+async def require_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """SGLang's --api-key rule (rollout/auth.py): Bearer key on every route but OPTIONS and /health*, /ready*,
+    /metrics*; 401 with SGLang's body otherwise, before the body is read."""
+    if not request_allowed(request.method, request.path, request.headers.get("Authorization"),
+                           request.app.get(API_KEY)):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
+def _flag(body: dict, name: str, default: bool, where: str) -> bool:
+    return field(body, name, bool, default, where)
+
+
+def _version(body: dict, name: str, where: str) -> Optional[str]:
+    return field(body, name, str, None, where)
+
+
 def parse_generate(body: dict) -> GenerateRequest:
     path = "/generate"
-    if body.get("stream"):
+    if field(body, "stream", bool, False, path):
         raise BadRequest(f"{path}: stream=true is not supported by the local engine")
     if body.get("text") is not None:
         raise BadRequest(f"{path}: send input_ids (token in, token out); text prompts need a tokenizer the local engine does not run")
-    ids = _field(body, "input_ids", list, path=path)
+    ids = field(body, "input_ids", list, where=path)
     if ids and isinstance(ids[0], list):
         raise BadRequest(f"{path}: batched input_ids are not supported; send one request per sequence")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise BadRequest(f"{path}: input_ids must be a list of integers")
-    sp = _field(body, "sampling_params", dict, {}, path)
+    sp = field(body, "sampling_params", dict, {}, path)
     try:
         sampling = SamplingParams.from_json(sp)
         return GenerateRequest(
             input_ids=ids,
             sampling=sampling,
-            return_logprob=bool(body.get("return_logprob", False)),
-            return_routed_experts=bool(body.get("return_routed_experts", False)),
-            routed_experts_start_len=int(body.get("routed_experts_start_len") or 0),
-            rid=body.get("rid"),
+            return_logprob=_flag(body, "return_logprob", False, path),
+            return_routed_experts=_flag(body, "return_routed_experts", False, path),
+            routed_experts_start_len=field(body, "routed_experts_start_len", int, 0, path),
+            rid=field(body, "rid", str, None, path),
         )
+    except BadRequest:
+        raise
     except (TypeError, ValueError) as e:
         raise BadRequest(f"{path}: {e}") from None
+
+
+def parse_announced_tensors(body: dict, sizes: tuple[int, int], where: str) -> tuple[list, list, list]:
+    """names / dtypes / shapes of an /update_weights_from_distributed call, checked before anything is received:
+    equal lengths, known dtypes, shapes of non-negative ints, no tensor larger than the served model's largest
+    parameter and no more than twice its elements in all (HF tensors map onto parameters or slices of them;
+    the margin covers tensors the engine skips, like mtp.*)."""
+    from .local_weights import check_dtypes
+
+    names = list_field(body, "names", str, where=where)
+    dtypes = list_field(body, "dtypes", str, where=where)
+    shapes = list_field(body, "shapes", list, where=where)
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(f"{where}: {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; one each per tensor")
+    try:
+        check_dtypes(dtypes)
+    except WeightUpdateError as e:
+        raise BadRequest(f"{where}: field 'dtypes': {e}") from None
+    largest, total = sizes
+    announced = 0
+    for i, shape in enumerate(shapes):
+        numel = 1
+        for d in shape:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+                raise BadRequest(f"{where}: shapes[{i}] ({names[i]}) must be a list of non-negative integers, got {shape}")
+            numel *= d
+        if numel > largest:
+            raise BadRequest(f"{where}: {names[i]}: shape {shape} has {numel} elements, more than the served model's "
+                             f"largest parameter ({largest})")
+        announced += numel
+    if announced > 2 * total:
+        raise BadRequest(f"{where}: the announced tensors hold {announced} elements, more than twice the served "
+                         f"model's {total}")
+    return names, dtypes, shapes
 
 
 def generate_response(req: GenerateRequest, res, rid: str) -> dict:
@@ -124,68 +175,72 @@ def generate_response(req: GenerateRequest, res, rid: str) -> dict:
 
 @handler
 async def generate(request: web.Request, engine: LocalEngine) -> web.Response:
-    req = parse_generate(await _json(request))
+    req = parse_generate(await read_json(request))
     res = await engine.generate(req)
     return web.json_response(generate_response(req, res, req.rid or uuid.uuid4().hex))
 
 
 @handler
 async def update_weights_from_tensor(request: web.Request, engine: LocalEngine) -> web.Response:
-    path = "/update_weights_from_tensor"
-    body = await _json(request)
-    payloads = _field(body, "serialized_named_tensors", list, path=path)
+    path = TENSOR_ROUTE
+    body = await read_json(request)
+    payloads = list_field(body, "serialized_named_tensors", str, where=path)
     fmt = body.get("load_format")
     if fmt not in (None, LOCAL_TENSOR_FORMAT):
         raise BadRequest(f"{path}: load_format {fmt!r} is SGLang's in-process format; the local engine takes {LOCAL_TENSOR_FORMAT!r}")
-    if len(payloads) != 1 or not isinstance(payloads[0], str):
+    if len(payloads) != 1:
         raise BadRequest(f"{path}: serialized_named_tensors must hold exactly one string (one TP rank), got {len(payloads)}")
+    version = _version(body, "weight_version", path)
+    flush, abort = _flag(body, "flush_cache", True, path), _flag(body, "abort_all_requests", False, path)
     named = deserialize_named_tensors(payloads[0])
-    await engine.update_weights_from_tensor(
-        named, weight_version=body.get("weight_version"), flush_cache=bool(body.get("flush_cache", True)),
-        abort_all_requests=bool(body.get("abort_all_requests", False)),
-    )
+    await engine.update_weights_from_tensor(named, weight_version=version, flush_cache=flush, abort_all_requests=abort)
     return _ok(f"updated {len(named)} tensors")
 
 
 @handler
 async def update_weights_from_disk(request: web.Request, engine: LocalEngine) -> web.Response:
-    body = await _json(request)
-    model_path = _field(body, "model_path", str, path="/update_weights_from_disk")
-    await engine.update_weights_from_disk(model_path, weight_version=body.get("weight_version"),
-                                          abort_all_requests=bool(body.get("abort_all_requests", False)))
+    p = "/update_weights_from_disk"
+    body = await read_json(request)
+    model_path = field(body, "model_path", str, where=p)
+    await engine.update_weights_from_disk(model_path, weight_version=_version(body, "weight_version", p),
+                                          abort_all_requests=_flag(body, "abort_all_requests", False, p))
     return _ok(f"loaded {model_path}")
 
 
 @handler
 async def init_weights_update_group(request: web.Request, engine: LocalEngine) -> web.Response:
     p = "/init_weights_update_group"
-    body = await _json(request)
-    await engine.init_weights_update_group(
-        _field(body, "master_address", str, path=p), _field(body, "master_port", int, path=p),
-        _field(body, "rank_offset", int, path=p), _field(body, "world_size", int, path=p),
-        _field(body, "group_name", str, "weight_update_group", p), _field(body, "backend", str, "gloo", p),
-    )
+    body = await read_json(request)
+    address = field(body, "master_address", str, where=p)
+    port = int_in(field(body, "master_port", int, where=p), "master_port", 1, 65535, p)
+    world_size = int_in(field(body, "world_size", int, where=p), "world_size", 2, 1 << 20, p)
+    rank_offset = int_in(field(body, "rank_offset", int, where=p), "rank_offset", 1, world_size - 1, p)
+    group = field(body, "group_name", str, "weight_update_group", p)
+    if not group:
+        raise BadRequest(f"{p}: field 'group_name' must not be empty")
+    await engine.init_weights_update_group(address, port, rank_offset, world_size, group,
+                                           field(body, "backend", str, "gloo", p))
     return _ok("joined the weight update group")
 
 
 @handler
 async def update_weights_from_distributed(request: web.Request, engine: LocalEngine) -> web.Response:
     p = "/update_weights_from_distributed"
-    body = await _json(request)
-    names = _field(body, "names", list, path=p)
+    body = await read_json(request)
+    names, dtypes, shapes = parse_announced_tensors(body, request.app[SIZES_KEY], p)
     await engine.update_weights_from_distributed(
-        names, _field(body, "dtypes", list, path=p), _field(body, "shapes", list, path=p),
-        group_name=_field(body, "group_name", str, "weight_update_group", p),
-        weight_version=body.get("weight_version"), flush_cache=bool(body.get("flush_cache", True)),
-        abort_all_requests=bool(body.get("abort_all_requests", False)), load_format=body.get("load_format"),
+        names, dtypes, shapes, group_name=field(body, "group_name", str, "weight_update_group", p),
+        weight_version=_version(body, "weight_version", p), flush_cache=_flag(body, "flush_cache", True, p),
+        abort_all_requests=_flag(body, "abort_all_requests", False, p),
+        load_format=field(body, "load_format", str, None, p),
     )
     return _ok(f"received {len(names)} tensors")
 
 
 @handler
 async def destroy_weights_update_group(request: web.Request, engine: LocalEngine) -> web.Response:
-    body = await _json(request)
-    await engine.destroy_weights_update_group(_field(body, "group_name", str, "weight_update_group", "/destroy_weights_update_group"))
+    body = await read_json(request)
+    await engine.destroy_weights_update_group(field(body, "group_name", str, "weight_update_group", "/destroy_weights_update_group"))
     return _ok()
 
 
@@ -197,12 +252,14 @@ async def flush_cache(request: web.Request, engine: LocalEngine) -> web.Response
 
 @handler
 async def begin_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
+    await read_json(request)  # SGLang takes a (field-less) JSON object here: anything else is refused
     await engine.begin_weight_update()
     return _ok("weight-update session open")
 
 
 @handler
 async def end_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
+    await read_json(request)
     await engine.end_weight_update()
     return _ok("weight-update session closed")
 
@@ -210,36 +267,37 @@ async def end_weight_update(request: web.Request, engine: LocalEngine) -> web.Re
 @handler
 async def update_weight_version(request: web.Request, engine: LocalEngine) -> web.Response:
     p = "/update_weight_version"
-    body = await _json(request)
-    version = _field(body, "new_version", str, path=p)
-    await engine.update_weight_version(version, bool(body.get("abort_all_requests", True)))
+    body = await read_json(request)
+    version = field(body, "new_version", str, where=p)
+    await engine.update_weight_version(version, _flag(body, "abort_all_requests", True, p))
     return web.json_response({"success": True, "message": f"Weight version updated to {version}.", "new_version": version})
 
 
 @handler
 async def pause_generation(request: web.Request, engine: LocalEngine) -> web.Response:
-    body = await _json(request)
-    await engine.pause_generation(_field(body, "mode", str, "abort", "/pause_generation"))
+    body = await read_json(request)
+    await engine.pause_generation(field(body, "mode", str, "abort", "/pause_generation"))
     return _ok("paused")
 
 
 @handler
 async def continue_generation(request: web.Request, engine: LocalEngine) -> web.Response:
+    await read_json(request)
     await engine.continue_generation()
     return _ok("continued")
 
 
 @handler
 async def release_memory_occupation(request: web.Request, engine: LocalEngine) -> web.Response:
-    body = await _json(request)
-    await engine.release_memory_occupation(_field(body, "tags", list, None, "/release_memory_occupation"))
+    body = await read_json(request)
+    await engine.release_memory_occupation(list_field(body, "tags", str, None, "/release_memory_occupation"))
     return _ok("released")
 
 
 @handler
 async def resume_memory_occupation(request: web.Request, engine: LocalEngine) -> web.Response:
-    body = await _json(request)
-    await engine.resume_memory_occupation(_field(body, "tags", list, None, "/resume_memory_occupation"))
+    body = await read_json(request)
+    await engine.resume_memory_occupation(list_field(body, "tags", str, None, "/resume_memory_occupation"))
     return _ok("resumed")
 
 
@@ -286,10 +344,18 @@ async def memory(request: web.Request, engine: LocalEngine) -> web.Response:
     return web.json_response(engine.memory_bytes())
 
 
-def build_app(engine: LocalEngine, chat=None) -> web.Application:
-    """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions."""
-    app = web.Application(client_max_size=1 << 31)
+def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
+              limits: Optional[dict] = None) -> web.Application:
+    """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions; with `api_key` every route SGLang
+    guards needs it (require_api_key); `limits`: body bytes per route (body_limits; default DEFAULT_LIMITS)."""
+    limits = dict(limits or DEFAULT_LIMITS)
+    app = web.Application(client_max_size=max(limits.values()), middlewares=[require_api_key] if api_key else [])
     app[ENGINE_KEY] = engine
+    app[BODY_LIMITS] = limits
+    if api_key:
+        app[API_KEY] = api_key
+    params = [p.numel() for p in engine.runner.model.parameters()]  # at start: shapes never change, storage may be released later
+    app[SIZES_KEY] = (max(params, default=0), sum(params))
     post = {
         "/generate": generate,
         "/update_weights_from_tensor": update_weights_from_tensor,
@@ -324,9 +390,10 @@ def build_app(engine: LocalEngine, chat=None) -> web.Application:
     return app
 
 
-async def serve(engine: LocalEngine, host: str, port: int, chat=None, port_file: Optional[str] = None) -> None:
+async def serve(engine: LocalEngine, host: str, port: int, chat=None, port_file: Optional[str] = None,
+                api_key: Optional[str] = None, limits: Optional[dict] = None) -> None:
     """Serve until cancelled; prints the URL and writes the bound port to `port_file` (atomically)."""
-    runner = web.AppRunner(build_app(engine, chat), access_log=None)
+    runner = web.AppRunner(build_app(engine, chat, api_key, limits), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -354,6 +421,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--tokenizer", default=None, help="tokenizer for /v1/chat/completions; default: model.tokenizer")
     p.add_argument("--device", default=None, help="where the model runs: cpu, cuda or cuda:N; default rollout.local.device")
+    p.add_argument("--api-key-env", default=None, metavar="NAME",
+                   help="environment variable holding the API key every guarded route needs (the key itself is never "
+                        "an argument); default rollout.api_key_env; unset or empty: no key, every route open")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     config = args.config
@@ -365,7 +435,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    key_env = args.api_key_env or cfg.rollout.api_key_env
+    try:
+        api_key = key_from_env(key_env)
+    except EngineKeyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("API key: %s", f"required on every route but /health* (from ${key_env})" if api_key
+             else f"none (${key_env} unset): every route is open")
     device = args.device or cfg.rollout.local.device
     if device.startswith("cuda"):
         import torch
@@ -383,7 +461,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     host = args.host or cfg.rollout.local.host
     port = cfg.rollout.local.port if args.port is None else args.port
     try:
-        asyncio.run(serve(engine, host, port, chat, args.port_file))
+        asyncio.run(serve(engine, host, port, chat, args.port_file, api_key, body_limits(cfg)))
     except KeyboardInterrupt:
         pass
     return 0

@@ -5,7 +5,8 @@ Accepted names: the model's own parameter names (fused experts `mlp.experts.gate
 checkpoint names `mlp.experts.{j}.{gate,up,down}_proj.weight` (Qwen3-MoE checkpoints), which
 land in the matching slice of the fused tensor. `mtp.*` tensors are skipped: transformers
 builds no MTP layers, and this engine does no speculative decoding. Every name and shape is
-checked before the first byte is written, so a bad update leaves the model untouched.
+checked, and every tensor converted to its parameter's dtype, before the first byte is written:
+a bad update (the third tensor misshapen, say) leaves the previous weights serving.
 """
 from __future__ import annotations
 
@@ -47,11 +48,17 @@ def _target(params: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, t
 
 
 def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """Copy tensors into `model` by HF name. Returns (loaded, skipped). Atomic on error."""
+    """Copy tensors into `model` by HF name. Returns (loaded, skipped). Atomic on error.
+
+    Checks and dtype conversions (the steps that can fail) run over the whole update first; the
+    writes are plain copies into existing storage."""
     params = dict(model.named_parameters())
     plan = []
     skipped = 0
     for name, tensor in named:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(f"{name!r}: expected (name, tensor), got ({type(name).__name__}, "
+                                    f"{type(tensor).__name__})")
         if name.startswith(SKIPPED_PREFIXES):
             skipped += 1
             continue
@@ -61,10 +68,10 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
             raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(view.shape)}")
         if not (tensor.is_floating_point() and dest.is_floating_point()):
             raise WeightUpdateError(f"{name}: dtype {tensor.dtype} is not a floating point weight")
-        plan.append((dest, index, tensor))
+        plan.append((dest, index, tensor.to(dest.dtype)))  # on the tensor's own device: no second copy on the model's
     with torch.no_grad():
         for dest, index, tensor in plan:
-            (dest[index] if index else dest).copy_(tensor.to(dest.dtype))
+            (dest[index] if index else dest).copy_(tensor)
     return len(plan), skipped
 
 
@@ -87,9 +94,12 @@ def read_safetensors_dir(path: str | Path) -> list[tuple[str, torch.Tensor]]:
         raise WeightUpdateError(f"update_weights_from_disk: no .safetensors files in {path}")
     out = []
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                out.append((key, sf.get_tensor(key)))
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    out.append((key, sf.get_tensor(key)))
+        except Exception as e:  # safetensors raises its own error type on a corrupt header or body
+            raise WeightUpdateError(f"update_weights_from_disk: {f} is not a readable safetensors file ({e})") from None
     return out
 
 
@@ -97,6 +107,8 @@ def check_dtypes(dtypes: Sequence[str]) -> list[torch.dtype]:
     """torch dtypes for SGLang's dtype strings ('bfloat16' or 'torch.bfloat16')."""
     out = []
     for d in dtypes:
+        if not isinstance(d, str):
+            raise WeightUpdateError(f"dtypes: {d!r} is not a dtype name")
         name = d.split(".")[-1]
         dt = getattr(torch, name, None)
         if not isinstance(dt, torch.dtype):

@@ -7,6 +7,11 @@ SGLang takes its in-process serializer's string, the local server base64 safeten
 pass `moe_shape` for SGLang servers (the local server reports it). `ServerProcess` owns one server subprocess with its own log file;
 `sglang_command` builds the launch line from the config; `launch_router` fronts several servers
 with sglang-router.
+
+Engines are authenticated (rollout/auth.py): a client sends `Authorization: Bearer <key>` (its
+`api_key`, default the key in the variable `auth.use_key_env` names); the servers started here get
+the job's key through the environment (`auth.job_key`), SGLang through rollout/sglang_serve.py, so
+no key is ever on a command line; the key is never logged or shown in a repr.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any, Literal, Optional, Sequence
 
 import aiohttp
 
+from .auth import bearer_header, check_key, client_key_env, job_key, key_from_env
 from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode, decode_routed_experts
 from .local_weights import LOCAL_TENSOR_FORMAT, serialize_named_tensors
 from .types import FinishReason, GenerateRequest, GenerateResult
@@ -32,7 +38,10 @@ LOCAL_ENGINE_NAME = "megatron-search-local-cpu"  # `engine` field of the local s
 
 
 class SGLangClient(Engine):
-    """HTTP client for one engine server (SGLang or the local CPU engine) or an sglang-router."""
+    """HTTP client for one engine server (SGLang or the local CPU engine) or an sglang-router.
+
+    `api_key`: sent as `Authorization: Bearer` on every request; None = the key in the environment variable
+    `auth.client_key_env()` (rollout.api_key_env), or no header when that is unset."""
 
     def __init__(
         self,
@@ -42,6 +51,7 @@ class SGLangClient(Engine):
         tensor_format: TensorFormat = "auto",
         tp_size: int = 1,
         max_connections: int = 0,
+        api_key: Optional[str] = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -49,13 +59,20 @@ class SGLangClient(Engine):
         self.tensor_format = tensor_format
         self.tp_size = tp_size
         self.max_connections = max_connections
+        env = client_key_env()
+        self._api_key = api_key if api_key is not None else key_from_env(env)
+        self._key_source = "given to SGLangClient" if api_key is not None else f"read from ${env}, rollout.api_key_env"
         self._session: Optional[aiohttp.ClientSession] = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"SGLangClient({self.base_url!r}, api_key={'set' if self._api_key else 'none'})"
 
     # -- transport ------------------------------------------------------------------------------
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             conn = aiohttp.TCPConnector(limit=self.max_connections)
-            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=conn)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=conn,
+                                                  headers=bearer_header(self._api_key))
         return self._session
 
     async def _call(self, path: str, payload: Optional[dict] = None, method: str = "POST") -> Any:
@@ -63,6 +80,9 @@ class SGLangClient(Engine):
         try:
             async with self._sess().request(method, url, json=payload) as resp:
                 text = await resp.text()
+                if resp.status == 401:
+                    raise EngineError(f"{url}: HTTP 401: the engine wants an API key and this client sent "
+                                      f"{'a different one' if self._api_key else 'none'} ({self._key_source})")
                 if resp.status != 200:
                     raise EngineError(f"{url}: HTTP {resp.status}: {text[:1000]}")
                 if resp.content_type == "application/json":
@@ -272,14 +292,17 @@ class ServerProcess:
             return ""
 
     def wait_healthy(self, url: str, timeout_s: float, poll_s: float = 0.5) -> str:
-        """Poll GET {url}/health until 200; raise with the log tail if the process dies or time runs out."""
+        """Poll GET {url}/health until 200; raise with the log tail if the process dies or time runs out.
+        (SGLang leaves /health open under --api-key; the key, when the environment has one, goes along
+        for servers that guard it, such as sglang-router.)"""
         deadline = time.monotonic() + timeout_s
+        probe = urllib.request.Request(f"{url}/health", headers=bearer_header(key_from_env()))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise EngineError(f"server exited with code {self.proc.returncode} before becoming healthy "
                                   f"(log {self.log_path}):\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                with urllib.request.urlopen(probe, timeout=5) as r:
                     if r.status == 200:
                         self.url = url
                         return url
@@ -315,11 +338,17 @@ ENGINE_PORT_STRIDE = 10  # an SGLang server takes a few ports after its HTTP one
 def sglang_command(
     sg, model_path: str, port: int, routing_replay: bool, seed: int = 0,
     weight_version: str = "default", skip_tokenizer_init: bool = True, base_gpu_id: int = 0,
+    api_key_env: Optional[str] = None,
 ) -> list[str]:
     """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`; engines that share a node
-    pass disjoint `base_gpu_id`s (the server uses GPUs base_gpu_id .. base_gpu_id + TP x DP - 1)."""
+    pass disjoint `base_gpu_id`s (the server uses GPUs base_gpu_id .. base_gpu_id + TP x DP - 1). With
+    `api_key_env` the server starts through rollout/sglang_serve.py, which gives SGLang the key in `$api_key_env`
+    as its --api-key without it ever being in argv or the log."""
+    head = [sys.executable, "-m", "sglang.launch_server"]
+    if api_key_env:
+        head = [sys.executable, "-m", "megatron_search.rollout.sglang_serve", "--api-key-env", api_key_env]
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        *head,
         "--model-path", model_path,
         "--host", sg.host, "--port", str(port),
         "--tp-size", str(sg.tp), "--ep-size", str(sg.ep), "--dp-size", str(sg.dp),
@@ -347,6 +376,8 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
     model_path = model_path or sg.model_path or cfg.model.checkpoint
     if not model_path:
         raise EngineError("rollout.sglang.model_path (or model.checkpoint) must name the HF directory to serve")
+    key_env = cfg.rollout.api_key_env
+    job_key(key_env)  # from the environment, or generated for this job and exported
     env = dict(os.environ)
     if cfg.rollout.return_original_logprob:
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
@@ -355,7 +386,8 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
         for i in range(cfg.rollout.num_engines):  # all on this host: each on its own GPUs
             port = sg.base_port + ENGINE_PORT_STRIDE * i
             argv = sglang_command(sg, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
-                                  skip_tokenizer_init=sg.skip_tokenizer_init, base_gpu_id=i * sg.tp * sg.dp)
+                                  skip_tokenizer_init=sg.skip_tokenizer_init, base_gpu_id=i * sg.tp * sg.dp,
+                                  api_key_env=key_env)
             server = ServerProcess(argv, Path(output_dir) / sg.log_dir / f"server_{i}.log", env)
             servers.append(server)
         for i, server in enumerate(servers):
@@ -368,23 +400,38 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
 
 
 def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: str | Path,
-                  timeout_s: float = 120.0) -> ServerProcess:
-    """sglang-router in front of several servers (cache-aware routing); its URL speaks the same API."""
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-            "--host", host, "--port", str(port)]
-    router = ServerProcess(argv, log_path)
+                  timeout_s: float = 120.0, api_key_env: Optional[str] = None) -> ServerProcess:
+    """sglang-router in front of several servers (cache-aware routing); its URL speaks the same API. With
+    `api_key_env` it requires the key in that variable and sends it to the workers (through sglang_serve)."""
+    head = [sys.executable, "-m", "sglang_router.launch_router"]
+    env = None
+    if api_key_env:
+        head = [sys.executable, "-m", "megatron_search.rollout.sglang_serve", "--api-key-env", api_key_env,
+                "--module", "sglang_router.launch_router"]
+        env = dict(os.environ)
+        env[api_key_env] = job_key(api_key_env)
+    argv = [*head, "--worker-urls", *worker_urls, "--host", host, "--port", str(port)]
+    router = ServerProcess(argv, log_path, env)
     router.wait_healthy(f"http://{host}:{port}", timeout_s)
     return router
 
 
 def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
                         timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None,
-                        host: str = "127.0.0.1", device: Optional[str] = None) -> ServerProcess:
-    """Start the local engine server on `host` (free port; model on `device`, default CPU) and wait until it is healthy."""
+                        host: str = "127.0.0.1", device: Optional[str] = None, api_key: Optional[str] = None,
+                        api_key_env: Optional[str] = None) -> ServerProcess:
+    """Start the local engine server on `host` (free port; model on `device`, default CPU) and wait until it is healthy.
+
+    It requires `api_key` (default: this job's key, `auth.job_key`), handed over in the environment variable
+    `api_key_env` (default `auth.client_key_env()`, so clients of this process find it)."""
     port_file = Path(str(log_path) + ".port")
     port_file.unlink(missing_ok=True)
+    key_env = api_key_env or client_key_env()
+    env = dict(os.environ if env is None else env)
+    env[key_env] = check_key(api_key, "launch_local_server(api_key=...)") if api_key else job_key(key_env)
     argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
-    argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file)]
+    argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file),
+                                                              "--api-key-env", key_env]
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
     if device:

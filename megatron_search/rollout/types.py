@@ -5,6 +5,7 @@ re-tokenised. Shapes in names: `routed_experts_NLK` is [tokens, MoE layers, top_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -31,8 +32,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"sampling_params.temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -51,17 +52,35 @@ class SamplingParams:
 
     @classmethod
     def from_json(cls, d: dict) -> "SamplingParams":
+        """From SGLang's `sampling_params` JSON; a wrong type or value is a ValueError naming the key."""
         known = {"max_new_tokens", "temperature", "top_p", "stop_token_ids", "ignore_eos", "sampling_seed"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"sampling_params: unsupported keys {unknown} (supported: {sorted(known)})")
+
+        def get(key, kind, default):
+            v = d.get(key)
+            if v is None:
+                return default
+            if kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, kind) or (kind in (int, float) and isinstance(v, bool)):
+                raise ValueError(f"sampling_params.{key} must be {kind.__name__}, got {type(v).__name__}")
+            return v
+
+        stops = get("stop_token_ids", list, [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+            raise ValueError("sampling_params.stop_token_ids must be a list of integers")
+        seed = get("sampling_seed", int, None)
+        if seed is not None and not 0 <= seed < 1 << 63:
+            raise ValueError(f"sampling_params.sampling_seed must be in [0, 2**63), got {seed}")
         return cls(
-            max_new_tokens=int(d.get("max_new_tokens", cls.max_new_tokens)),
-            temperature=float(d.get("temperature", cls.temperature)),
-            top_p=float(d.get("top_p", cls.top_p)),
-            stop_token_ids=tuple(d.get("stop_token_ids") or ()),
-            ignore_eos=bool(d.get("ignore_eos", False)),
-            seed=None if d.get("sampling_seed") is None else int(d["sampling_seed"]),
+            max_new_tokens=get("max_new_tokens", int, cls.max_new_tokens),
+            temperature=get("temperature", float, cls.temperature),
+            top_p=get("top_p", float, cls.top_p),
+            stop_token_ids=tuple(stops),
+            ignore_eos=get("ignore_eos", bool, False),
+            seed=seed,
         )
 
 

@@ -6,8 +6,9 @@
 #SBATCH --time=00:05:00
 # The engine half of slurm/lib.sh on a real Slurm: plan a GRPO job's SGLang engines for this allocation
 # and start them with ms_start_servers (one srun step each, as the sbatch scripts do). PYTHONPATH puts
-# tests/slurm/probe first, so each step's `python -m sglang.launch_server ...` records the node, the
-# GPUs Slurm exposes to it and its argv in $MS_PROBE_DIR, and exits. Overrides as for the scripts.
+# tests/slurm/probe first, so each step's SGLang main (`python -m megatron_search.rollout.sglang_serve ...`
+# runs `sglang.launch_server`) records the node, the GPUs Slurm exposes to it, its argv and what it saw of
+# the API key in $MS_PROBE_DIR, and exits. Overrides as for the scripts.
 MS_STAGE=grpo
 MS_CONFIG=${MS_CONFIG:-configs/tiny_grpo_slurm.yaml}
 source "${MS_REPO:?}/slurm/lib.sh"
@@ -18,6 +19,7 @@ eval "$(ms_launch_plan shell)"
 MS_LOG_DIR=${MS_LOG_DIR:?}
 mkdir -p "$MS_LOG_DIR"
 export PYTHONPATH=$MS_REPO/tests/slurm/probe${PYTHONPATH:+:$PYTHONPATH}
+ms_engine_key
 ms_start_servers
 for pid in "${MS_SERVER_PIDS[@]}"; do wait "$pid"; done
 ms_log "all $MS_ENGINE_COUNT engine processes exited"
