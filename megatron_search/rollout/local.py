@@ -1,12 +1,16 @@
 """The local engine: SGLang's engine semantics over an HF transformers model, in process.
 
-A scheduler task steps all in-flight requests together: new requests are prefilled one by one
-(reusing cached state: an earlier turn's sequence that prefixes the input, or for attention-only
-models any shared head of it, cut at a block boundary), then every
-running request advances one token in a single batched forward (local_runner.py). Control
-operations (weight updates, flush, pause) take the same lock as a step, so they happen between
-steps, never inside one. Torch work runs in a worker thread so an HTTP server on the same event
-loop keeps answering. The model runs on `device` (CPU by default, or one CUDA device); sampling
+A scheduler task steps all in-flight requests together: every running request advances one token
+in a single forward over the persistent batched cache (`RunningBatch`, local_runner.py), then the
+requests admitted this step are prefilled together into new rows (reusing cached state: an earlier
+turn's sequence that prefixes the input, or for attention-only models any shared head of it, cut
+at a block boundary; when inputs admitted together share a head that the store lacks, that head
+is prefilled once and stored first, so each input feeds only its own tail). Finished requests
+leave the batch at the end of the step, their state kept in the prefix store. Control operations
+(weight updates, flush, pause) take the same lock as a step, so they happen between steps, never
+inside one. All torch work (the model's load included) runs on one worker thread of
+the engine, so an HTTP server on the same event loop keeps answering and the process has one
+OpenMP team (see `__init__`). The model runs on `device` (CPU by default, or one CUDA device); sampling
 stays on the host (local_runner.py), so seeded requests give the same tokens on either.
 
 Logprobs are fp32 log-softmax of logits / temperature (the sampling distribution, before top-p
@@ -16,16 +20,18 @@ same name). temperature 0 samples greedily and reports raw-logit logprobs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
-from .local_runner import ModelRunner, PrefixStore, SeqState, load_hf_model
+from .local_runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
 from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .weight_group import FLAT, close_weight_group, open_weight_group, receive_flat_bucket, receive_named_tensors
@@ -33,7 +39,7 @@ from .weight_group import FLAT, close_weight_group, open_weight_group, receive_f
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Active:
     """One in-flight request and everything sampled for it so far."""
 
@@ -41,7 +47,8 @@ class _Active:
     future: asyncio.Future
     generator: torch.Generator
     stop_ids: frozenset
-    state: Optional[SeqState] = None
+    seated: bool = False  # holds a row of the running batch (its model state)
+    experts: Optional[np.ndarray] = None  # routed experts, taken when the row is freed
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -56,27 +63,45 @@ class _Active:
 def sample_tokens(
     logits_BV: torch.Tensor, actives: Sequence[_Active], original_logprob: bool
 ) -> list[tuple[int, float]]:
-    """Sample one token per row with that request's params and seeded generator; fp32 logprobs."""
-    out = []
+    """Sample one token per row with that request's params and seeded generator; fp32 logprobs.
+
+    Rows are computed together; each row draws from its own generator exactly what `torch.multinomial(p, 1)`
+    draws (one Exp(1) per vocabulary entry, token = argmax p / q), so a seed gives the same tokens as sampling
+    row by row, at a fraction of the per-call cost."""
+    B = logits_BV.shape[0]
     raw_logp = torch.log_softmax(logits_BV, dim=-1)
-    for row, a in enumerate(actives):
-        sp = a.req.sampling
-        if sp.temperature == 0:
-            tok = int(torch.argmax(logits_BV[row]))
-            out.append((tok, float(raw_logp[row, tok])))
-            continue
-        logp = torch.log_softmax(logits_BV[row] / sp.temperature, dim=-1)
-        probs = logp.exp()
-        if sp.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            # keep the smallest head whose mass reaches top_p (the first token always stays)
-            drop = (torch.cumsum(sorted_p, 0) - sorted_p) > sp.top_p  # as SGLang's torch sampler
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            tok = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=a.generator)])
-        else:
-            tok = int(torch.multinomial(probs, 1, generator=a.generator))
-        out.append((tok, float(raw_logp[row, tok] if original_logprob else logp[tok])))
-    return out
+    temps = [float(a.req.sampling.temperature) for a in actives]
+    toks: list[int] = [0] * B
+    cold = [r for r in range(B) if temps[r] == 0]
+    hot = [r for r in range(B) if temps[r] != 0]
+    if cold:
+        for r, tok in zip(cold, logits_BV[cold].argmax(dim=-1).tolist()):
+            toks[r] = tok
+    scaled = None
+    if hot:
+        scaled = torch.log_softmax(logits_BV[hot] / torch.tensor([temps[r] for r in hot])[:, None], dim=-1)
+        probs = scaled.exp()
+        plain = [j for j, r in enumerate(hot) if actives[r].req.sampling.top_p >= 1.0]
+        if plain:
+            q = torch.empty(len(plain), probs.shape[1])
+            for i, j in enumerate(plain):
+                q[i].exponential_(1, generator=actives[hot[j]].generator)
+            for j, tok in zip(plain, (probs[plain] / q).argmax(dim=-1).tolist()):
+                toks[hot[j]] = tok
+        for j, r in enumerate(hot):
+            top_p = actives[r].req.sampling.top_p
+            if top_p < 1.0:
+                sorted_p, order = torch.sort(probs[j], descending=True)
+                # keep the smallest head whose mass reaches top_p (the first token always stays)
+                drop = (torch.cumsum(sorted_p, 0) - sorted_p) > top_p  # as SGLang's torch sampler
+                sorted_p = sorted_p.masked_fill(drop, 0.0)
+                toks[r] = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=actives[r].generator)])
+    index = torch.tensor(toks)[:, None]
+    lps = raw_logp.gather(1, index)[:, 0].tolist()
+    if scaled is not None and not original_logprob:
+        for r, lp in zip(hot, scaled.gather(1, index[hot])[:, 0].tolist()):
+            lps[r] = lp
+    return list(zip(toks, lps))
 
 
 class LocalEngine(Engine):
@@ -93,14 +118,28 @@ class LocalEngine(Engine):
         weight_version: str = "default",
         return_original_logprob: bool = False,
         device: str | torch.device = "cpu",
+        max_prefill_tokens: int = 8192,
     ):
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.runner = ModelRunner(load_hf_model(model_path, dtype=dtype, seed=seed, device=self.device))
+        # Every torch call of the engine runs on this one thread, the model's load included. OpenMP gives each
+        # thread that enters a parallel region a team of its own; once two teams exist on a small machine
+        # (more OpenMP threads than cores) libgomp stops spinning between regions and every region pays a
+        # wake-up: a decode step ran 1.7x and a GDN prefill 2x slower with the model loaded on the event
+        # loop's thread and stepped on a worker. The worker keeps the constructing thread's thread count.
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="local-engine", initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),))
+        self.runner = self._worker.submit(
+            lambda: ModelRunner(load_hf_model(model_path, dtype=dtype, seed=seed, device=self.device))).result()
         self.vocab_size = int(self.runner.config.vocab_size)
         self.seed = seed
         self.max_running = max_running_requests
         self.prefix = PrefixStore(prefix_cache_entries, prefix_cache_block if self.runner.can_crop else 0)
+        self.head_block = prefix_cache_block  # shared heads of inputs admitted together are cut at multiples of it
+        # the running requests' state; `max_prefill_tokens` bounds one prefill forward (padded tokens), like
+        # SGLang's chunked-prefill size (a longer single input still goes in one forward)
+        self.batch = RunningBatch(self.runner, max_running_requests, max_prefill_tokens)
         self.weight_version = weight_version
         self.original_logprob = return_original_logprob
         self._counter = itertools.count()
@@ -140,6 +179,7 @@ class LocalEngine(Engine):
             self._loop = loop
             self._lock, self._wake, self._task = asyncio.Lock(), asyncio.Event(), None
             self._running, self._waiting = [], []
+            self.batch.clear()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._schedule())
 
@@ -160,13 +200,15 @@ class LocalEngine(Engine):
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 batch = self._running + admitted
                 try:
-                    await loop.run_in_executor(None, self._step, batch)
+                    await loop.run_in_executor(self._worker, self._step, batch)
                 except Exception as e:  # a bug in one step fails its requests, not the engine
                     log.exception("local engine step failed")
                     for a in batch:
+                        a.seated = False
                         if not a.future.done():
                             a.future.set_exception(EngineError(f"local engine step failed: {type(e).__name__}: {e}"))
                     self._running = []
+                    self.batch.clear()
                     continue
                 self.steps += 1
                 self._running = [a for a in batch if a.finish is None]
@@ -175,29 +217,71 @@ class LocalEngine(Engine):
                         self._complete(a)
 
     def _step(self, batch: list[_Active]) -> None:
-        """Worker thread: bring every request one sampled token further."""
-        ongoing = [a for a in batch if a.state is not None]
-        # Requests with identical inputs (a GRPO group) share one prefill: states are never mutated
-        # (every forward builds new tensors), so they can start from the same state object.
+        """Worker thread: bring every request one sampled token further; finished ones leave the batch."""
+        if self.batch.owners:  # every seated request is in `batch`: the scheduler steps all running ones
+            ongoing = list(self.batch.owners)
+            self._accept(ongoing, self.batch.decode([a.output_ids[-1] for a in ongoing]))
+        joining = [a for a in batch if not a.seated]
+        # Requests with identical inputs (a GRPO group) share one prefill; the others copy its row.
         groups: dict[tuple, list[_Active]] = {}
-        for a in batch:
-            if a.state is None:
-                groups.setdefault(tuple(a.fed_target), []).append(a)
+        for a in joining:
+            groups.setdefault(tuple(a.fed_target), []).append(a)
+        if len(groups) > 1 and self.prefix.enabled:
+            self._prefill_shared_heads([list(k) for k in groups])
+        entries = []
         for key, members in groups.items():
             target = list(key)
             prefix, cached = self.prefix.longest_prefix(target)
             if prefix is not None and cached < len(prefix.tokens):
                 prefix = self.runner.crop(prefix, cached)
-            state, logits = self.runner.prefill(target[cached:], prefix)
-            self.prefix.put(state)  # later arrivals sharing a head of this input reuse it
+            entries.append((target, prefix, members))
             for i, a in enumerate(members):
-                a.state, a.cached_tokens = state, cached if i == 0 else len(target)
-            self._accept(members, logits[None].expand(len(members), -1))
-        if ongoing:
-            states, logits = self.runner.decode([a.state for a in ongoing], [a.output_ids[-1] for a in ongoing])
-            for a, s in zip(ongoing, states):
-                a.state = s
-            self._accept(ongoing, logits)
+                a.seated, a.cached_tokens = True, cached if i == 0 else len(target)
+        if entries:
+            for (_, _, members), row in zip(entries, self.batch.admit(entries)):
+                if self.prefix.enabled:  # a later input sharing a head of this one reuses it
+                    self.prefix.put(self.batch.export(members[0]), owned=True)
+                self._accept(members, row[None].expand(len(members), -1))
+        for a in batch:
+            if a.finish is not None:
+                self._release(a)
+        self.batch.fit()
+
+    def _prefill_shared_heads(self, targets: list[list[int]]) -> None:
+        """Inputs admitted together that share a head (the system prompt and tool list of different questions)
+        longer than what the prefix store holds for them: prefill each such head once, at a multiple of
+        `head_block` tokens, and store it, so every input then feeds only its own tail. For hybrid models too:
+        a stored head is an exact prefix, and the GDN state after it is exact."""
+        block = self.head_block
+        if block < 1:
+            return
+        order = sorted(range(len(targets)), key=lambda i: targets[i])  # sharers of a head end up adjacent
+        arrays = [np.asarray(t) for t in targets]
+
+        def lcp(i: int, j: int) -> int:
+            a, b = arrays[i], arrays[j]
+            n = min(len(a), len(b))
+            diff = np.flatnonzero(a[:n] != b[:n])
+            return int(diff[0]) if len(diff) else n
+
+        heads: dict[tuple, None] = {}
+        for pos, i in enumerate(order):
+            shared = max([lcp(i, order[p]) for p in (pos - 1, pos + 1) if 0 <= p < len(order)], default=0)
+            shared = min(shared, len(targets[i]) - 1) // block * block  # a reused head leaves a token to feed
+            if shared and shared > self.prefix.longest_prefix(targets[i])[1]:
+                heads[tuple(targets[i][:shared])] = None
+        if not heads:
+            return
+        entries = []
+        for head in heads:
+            prefix, cached = self.prefix.longest_prefix(list(head))
+            if prefix is not None and cached < len(prefix.tokens):
+                prefix = self.runner.crop(prefix, cached)
+            entries.append((list(head), prefix, [object()]))
+        self.batch.admit(entries)
+        for _, _, (owner,) in entries:
+            self.prefix.put(self.batch.export(owner), owned=True)
+            self.batch.remove(owner)
 
     def _accept(self, actives: list[_Active], logits_BV: torch.Tensor) -> None:
         for a, (tok, lp) in zip(actives, sample_tokens(logits_BV, actives, self.original_logprob)):
@@ -210,15 +294,24 @@ class LocalEngine(Engine):
             elif len(a.req.input_ids) + len(a.output_ids) >= self.runner.max_positions:
                 a.finish = FinishReason("length", message="context length reached")
 
+    def _release(self, a: _Active) -> None:
+        """Free `a`'s row (worker thread in a step, or the loop under the lock): its state goes to the prefix
+        store unless aborted, its routed experts are kept for the answer."""
+        if not a.seated:
+            return
+        if a.req.return_routed_experts and self.runner.num_moe_layers:
+            # rows for positions [start_len, seqlen - 1): the row holds exactly seqlen - 1 fed tokens
+            a.experts = self.batch.routed_experts(a, a.req.routed_experts_start_len)
+        if a.finish is not None and a.finish.type != "abort" and self.prefix.enabled:
+            self.prefix.put(self.batch.export(a), owned=True)
+        self.batch.remove(a)
+        a.seated = False
+
     def _complete(self, a: _Active) -> None:
         if a.future.done():
             return
-        if a.state is not None and a.finish.type != "abort":
-            self.prefix.put(a.state)
-        experts = None
-        if a.req.return_routed_experts and a.state is not None and self.runner.num_moe_layers:
-            # rows for positions [start_len, seqlen - 1): the state holds exactly seqlen - 1 fed tokens
-            experts = a.state.routed_experts(a.req.routed_experts_start_len)
+        self._release(a)
+        experts = a.experts
         a.future.set_result(
             GenerateResult(
                 output_ids=list(a.output_ids),
@@ -259,13 +352,19 @@ class LocalEngine(Engine):
         async with self._lock:
             if abort_all:
                 self._abort_all("aborted for a weight update")
-            result = await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            result = await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
         self._wake.set()
         return result
 
     def _abort_all(self, message: str) -> None:
+        """Answer every request as aborted; the whole batch is dropped (no torch work on the loop's thread)."""
         for a in self._running + self._waiting:
             a.finish = FinishReason("abort", message=message)
+            if a.seated and a.req.return_routed_experts and self.runner.num_moe_layers:
+                a.experts = self.batch.routed_experts(a, a.req.routed_experts_start_len)
+            a.seated = False
+        self.batch.clear()
+        for a in self._running + self._waiting:
             self._complete(a)
         self._running, self._waiting = [], []
 
@@ -387,11 +486,13 @@ class LocalEngine(Engine):
                 self._retract()
 
     def _retract(self) -> None:
-        """Drop running requests' states; they are recomputed (prefill of input + output) later."""
+        """Drop running requests' states (the batch's tensors are freed); they are recomputed (prefill of input
+        + output) later."""
         for a in self._running:
-            a.state = None
+            a.seated = False
         self._waiting = self._running + self._waiting
         self._running = []
+        self.batch.clear()
 
     async def continue_generation(self) -> None:
         self._ensure_loop()
@@ -410,13 +511,16 @@ class LocalEngine(Engine):
                                   f"pause_generation(abort or retract) first")
             if "kv_cache" in tags:
                 self.prefix.clear()
-                self._retract()
-            if "weights" in tags and "weights" not in self._released:
-                for name, p in self.runner.model.named_parameters():
-                    self._weight_shapes[name] = (p.shape, p.dtype)
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            if self.device.type == "cuda":  # hand the freed blocks back to the driver, for the colocated trainer
-                torch.cuda.empty_cache()
+                self._retract()  # frees the running batch's tensors
+
+            def run():
+                if "weights" in tags and "weights" not in self._released:
+                    for name, p in self.runner.model.named_parameters():
+                        self._weight_shapes[name] = (p.shape, p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if self.device.type == "cuda":  # hand the freed blocks back to the driver, for the colocated trainer
+                    torch.cuda.empty_cache()
+            await asyncio.get_running_loop().run_in_executor(self._worker, run)
             self._released |= tags
 
     async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
@@ -426,18 +530,21 @@ class LocalEngine(Engine):
             raise EngineError(f"resume_memory_occupation: {sorted(never)} were never released")
         self._ensure_loop()
         async with self._lock:
-            if "weights" in tags and "weights" in self._released:
-                # Like SGLang without a CPU backup: memory comes back, contents must be pushed again.
-                for name, p in self.runner.model.named_parameters():
-                    shape, dtype = self._weight_shapes[name]
-                    p.data = torch.zeros(shape, dtype=dtype, device=self.device)
+            def run():
+                if "weights" in tags and "weights" in self._released:
+                    # Like SGLang without a CPU backup: memory comes back, contents must be pushed again.
+                    for name, p in self.runner.model.named_parameters():
+                        shape, dtype = self._weight_shapes[name]
+                        p.data = torch.zeros(shape, dtype=dtype, device=self.device)
+            await asyncio.get_running_loop().run_in_executor(self._worker, run)
             self._released -= tags
         self._wake.set()
 
     def memory_bytes(self) -> dict[str, int]:
-        """What the engine holds now: parameter storages and the prefix cache (for colocated-cycle checks)."""
+        """What the engine holds now: parameter storages, and the running batch's cache plus the prefix cache
+        (for colocated-cycle checks)."""
         weights = sum(p.untyped_storage().nbytes() for p in self.runner.model.parameters())
-        return {"weights": int(weights), "kv_cache": int(self.prefix.nbytes())}
+        return {"weights": int(weights), "kv_cache": int(self.prefix.nbytes() + self.batch.nbytes())}
 
     async def health(self) -> bool:
         return "weights" not in self._released
@@ -457,3 +564,4 @@ class LocalEngine(Engine):
             if not a.future.done():
                 a.future.set_exception(EngineError("local engine closed"))
         self._running, self._waiting = [], []
+        self.batch.clear()
