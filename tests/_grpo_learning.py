@@ -2,8 +2,9 @@
 
 Every question is "Does this question mention <name>? Answer yes or no." about an invented name, so
 the correct answer is always "yes": the rewarded choice does not depend on the question and carries
-over to held-out names. The SFT set gives every training question twice, once answered "yes" and
-once "no", so the SFT policy's best fit answers each one 50/50 and GRPO starts from ~50% correct.
+over to held-out names. The SFT data gives every training question twice, answered "yes" in one file and
+"no" in the other, mixed 0.5 / 0.5, so the SFT policy answers each question 50/50 (measured: p(yes) = 0.494,
+p(no) = 0.499 for every name) and GRPO starts from ~50% correct.
 With the tool and length penalties off (reward.lambda_tool = reward.lambda_len = 0) the gated reward
 is R = r_base * s: 0 for "no", the reward model's s > 0 for "yes".
 
@@ -37,7 +38,7 @@ def invented_names(n: int, seed: int) -> list[str]:
 
 
 def build(root: Path, n_train: int = 48, n_test: int = 48, seed: int = 0) -> dict:
-    """QA JSONL (train + held-out test names), the 50/50 SFT JSONL, a small search index, a BPE."""
+    """QA JSONL (train + held-out test names), the two SFT answer files, a small search index, a BPE, a model config."""
     from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.sft import SYSTEM_PROMPT
     from megatron_search.rollout.chat_format import ChatFormat
@@ -95,10 +96,12 @@ def rm_args(fx: dict) -> list[str]:
 
 def grpo_overrides(fx: dict, name: str, steps: int, lr: float, seed: int, extra=()) -> list[str]:
     """GRPO on the train questions. One micro-batch per update (half the rollouts each), so a part that holds only
-    padding rows is skipped whole (policy_step skips parts without a trained token). adam_eps=1e-5: at an LR
-    ~1000x the recipe's, Adam's normalisation turns the near-zero gradients of tokens the policy (almost) never
-    samples and of the end-of-turn token into full-size steps; with eps=1e-8 three of nine runs here collapsed
-    within one late step (to "yesyesyes..." without <|im_end|>, or to 3% correct), with 1e-5 none of nine."""
+    padding rows is skipped whole (policy_step skips parts without a trained token). optim.adam_eps=1e-3: at an
+    LR ~1000x the recipe's, plain Adam (eps 1e-8) moves every weight by ~lr whatever its gradient, so one update
+    could jump the policy by a KL of 2-7 (about one run in five here with eps 1e-8 to 1e-4 and lr 1e-3 to 2e-3,
+    warm-up or not: the answer loses its <|im_end|>, correctness falls to ~0 and sometimes never returns);
+    eps=1e-3 keeps small gradients SGD-like (step ~ lr * g / eps) and caps large ones at ~lr: over 8 seeds the
+    largest KL between updates stayed below 0.35 and every run learned."""
     root = Path(fx["root"])
     return [*fx["common"], f"run.output_dir={root / name}", f"run.seed={seed}", f"data.qa_path={fx['qa']}",
             "data.mix={qa: 1.0}", f"rm.load={root / 'rm' / 'checkpoints'}", f"checkpoint.load={root / 'sft' / 'checkpoints'}",
@@ -107,7 +110,7 @@ def grpo_overrides(fx: dict, name: str, steps: int, lr: float, seed: int, extra=
             "grpo.updates_per_batch=2", "rollout.max_new_tokens=8", "rollout.max_total_tokens=512",
             "rollout.max_turns=1", "rollout.temperature=1.0", "reward.lambda_tool=0", "reward.lambda_len=0",
             "reward.answer_match=exact", f"optim.lr={lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0",
-            "optim.adam_eps=1e-5", "checkpoint.save_interval=1000", *extra]
+            "optim.adam_eps=1e-3", "checkpoint.save_interval=1000", *extra]
 
 
 def pipeline_worker(rank: int, world: int, port: int, fx: dict, plan: dict) -> None:
@@ -136,12 +139,10 @@ def pipeline_worker(rank: int, world: int, port: int, fx: dict, plan: dict) -> N
         t = time.perf_counter()
         run_grpo(load_config(CONFIG, overrides))
         times[name] = time.perf_counter() - t
-    import json
-
     (Path(fx["root"]) / "times.json").write_text(json.dumps(times))
 
 
-def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 2, seed: int = 0, extra=()) -> dict:
+def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 4, seed: int = 0, extra=()) -> dict:
     """Sample every held-out question `samples` times from the HF checkpoint through the local engine and the
     agent loop (the training prompt and sampling settings); count the answers by form."""
     import asyncio
@@ -151,7 +152,6 @@ def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 2, seed: int = 0,
     from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
     from megatron_search.rollout.local import LocalEngine
     from megatron_search.search.tool import SearchTool
-    from megatron_search.text import normalize_answer
     from megatron_search.train.grpo_data import with_system_prompt
     from megatron_search.train.grpo_driver import build_encoder
 
@@ -169,7 +169,7 @@ def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 2, seed: int = 0,
             await engine.close()
 
     rollouts = asyncio.run(go())
-    forms = [normalize_answer(r.final_answer or "") for r in rollouts]
+    forms = [(r.final_answer or "").strip() for r in rollouts]  # exact forms, not the reward's matcher
     n = len(forms)
     return {"n": n, "rewarded": sum(f == REWARDED for f in forms) / n, "other": sum(f == OTHER for f in forms) / n,
             "malformed": sum(f not in (REWARDED, OTHER) for f in forms) / n}
