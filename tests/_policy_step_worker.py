@@ -50,8 +50,9 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
         logp_ref = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     batch = RolloutBatch(inputs, targets, (logp_ref - delta).float(), mask, adv)
     results = {}
-    # (micro-batch size, padding rows): two padding rows make the 4 rollouts fill two micro-batches of 3.
-    for mbs, pad in ((B, 0), (1, 0), (3, 2)):
+    # (micro-batch size, padding rows): two padding rows make the 4 rollouts fill two micro-batches of 3;
+    # with micro-batches of 2 the third holds only padding (no trained token: it adds nothing, and must not raise).
+    for mbs, pad in ((B, 0), (1, 0), (3, 2), (2, 2)):
         for chunk in chunks:
             reshard.load_full_state(chunk, full, chunk.config)
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)

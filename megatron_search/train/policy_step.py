@@ -88,6 +88,11 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
                 capture.append(out.logp.detach().float())
                 zero = output.sum() * 0.0
                 return zero, {}
+            if not bool(mb.mask_BS.any()):
+                # Only padding rows (the batch is padded to DP x micro-batches x updates): nothing to learn, but
+                # every rank still runs backward for DDP's reduction. Its share of the global loss is 0; the
+                # per-token statistics are undefined here and left out of their means (reduce_metrics).
+                return output.sum() * 0.0, {"loss": torch.zeros((), dtype=torch.float32, device=output.device)}
             logp_old = None if logp_old_mbs is None else logp_old_mbs[i]
             loss, metrics = policy_loss(out.logp, mb.logp_infer_BS, mb.advantages_B, mb.mask_BS,
                                         logp_old=logp_old, denominator=denominator)
@@ -127,31 +132,36 @@ def run_schedule(chunks: list, forward_step, mbs: list[RolloutBatch], forward_on
 
 def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) -> dict[str, float]:
     """Metrics of the last pipeline stage's micro-batches, reduced over data-parallel ranks and shared
-    with every stage: `*_min` keys by min, `*_max` by max, the rest by mean over micro-batches."""
+    with every stage: `*_min` keys by min, `*_max` by max, the rest by mean over the micro-batches that
+    report the key (a padding-only micro-batch reports only its zero loss)."""
     keys = sorted({k for d in per_mb for k in d}) if is_last_stage else []
-    if dist.is_initialized():  # every rank must agree on the keys (non-last stages have none)
-        gathered: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, keys, group=pp_group)
-        keys = max(gathered, key=len)
+    if dist.is_initialized():  # every rank must agree on the keys: non-last stages have none, and a DP rank
+        for group in (pp_group, dp_group):  # whose micro-batches are all padding has only "loss"
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, keys, group=group)
+            keys = sorted({k for ks in gathered for k in ks})
     inf = float("inf")
-    mean = torch.zeros(len(keys) + 1, dtype=torch.float64)
-    lo = torch.full((len(keys),), inf, dtype=torch.float64)
-    hi = torch.full((len(keys),), -inf, dtype=torch.float64)
-    if is_last_stage and per_mb:
+    k_n = len(keys)
+    mean = torch.zeros(2 * k_n, dtype=torch.float64)  # sums, then how many micro-batches reported each key
+    lo = torch.full((k_n,), inf, dtype=torch.float64)
+    hi = torch.full((k_n,), -inf, dtype=torch.float64)
+    if is_last_stage:
         for d in per_mb:
             for j, k in enumerate(keys):
+                if k not in d:  # a padding-only micro-batch reports its loss (0) and nothing else
+                    continue
                 v = float(d[k])
                 mean[j] += v
+                mean[k_n + j] += 1
                 lo[j], hi[j] = min(lo[j], v), max(hi[j], v)
-        mean[-1] = len(per_mb)
     if dist.is_initialized():
         for group in (dp_group, pp_group):
             coll.all_reduce(mean, group=group)
             coll.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
             coll.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    n = max(float(mean[-1]), 1.0)
     out = {}
     for j, k in enumerate(keys):
+        n = max(float(mean[k_n + j]), 1.0)
         out[k] = float(lo[j]) if k.endswith("_min") else float(hi[j]) if k.endswith("_max") else float(mean[j]) / n
     return out
 
