@@ -137,3 +137,61 @@ def test_sentence_trajectories_and_practice_worlds():
         text = " ".join(m["content"] for m in p.messages[1:])
         assert not any(n in text for n in names)  # no demo-world fact leaks into training
         assert p.metadata["answers"][0] in p.messages[-1]["content"] and p.messages[-1]["content"].endswith(".")
+
+
+def test_strategy_mix_trajectories_follow_their_strategy():
+    """Each strategy's transcript is what its name says, checked against the world's facts: search finds and copies
+    the answer; no_search answers at once with another name of the answer's type; miss searches without the subject,
+    its results lack the answer, and it answers wrong; redundant makes the same call twice and answers right. The
+    shares follow the weights (drops aside), and classify_strategy reads each transcript back as its strategy."""
+    from collections import Counter
+
+    from megatron_search.data.demo_tasks import classify_strategy, names_by_type, pick_strategy
+    from megatron_search.data.world_schema import RELATION_BY_NAME
+
+    world = build_world(seed=3, num_entities=120, phrasing="first")
+    recs = one_hop_records(world, seed=0)
+    cfg = load_config(None, ["search.max_results=3", "search.snippet_chars=160"])
+    docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
+    tool = SearchTool.from_config(cfg.search, backend=LocalSearchBackend.from_docs(docs))
+    mix = {"search": 0.4, "no_search": 0.2, "miss": 0.2, "redundant": 0.2}
+    pool = names_by_type(world)
+    examples, dropped = one_hop_sft_examples(recs, tool, answer="name", strategies=mix, pool=pool, seed=5)
+    assert len(examples) + len(dropped) == len(recs)
+    by_id = {r.id: r for r in recs}
+    type_of = {e.name: e.type for e in world.entities.values()}
+    seen = Counter()
+    for ex in examples:
+        rec, st = by_id[ex.metadata["qa_id"]], ex.metadata["strategy"]
+        seen[st] += 1
+        subject, answer = rec.metadata["subject"], ex.messages[-1]["content"]
+        calls = [m["tool_calls"][0]["function"]["arguments"]["query"] for m in ex.messages if m.get("tool_calls")]
+        results = [m["content"] for m in ex.messages if m["role"] == "tool"]
+        assert classify_strategy(calls, subject) == st
+        assert st == pick_strategy(mix, rec.id, 5)  # the record's own draw, stable
+        if st in ("search", "redundant"):
+            assert answer == rec.answers[0] and all(rec.answers[0] in r for r in results)
+            assert calls == [subject] * (1 if st == "search" else 2) and len(set(results)) == 1
+        else:
+            assert answer != rec.answers[0] and type_of[answer] == RELATION_BY_NAME[rec.chain[0]["relation"]].obj
+            if st == "no_search":
+                assert calls == [] and results == []
+            else:
+                assert len(calls) == 1 and subject.lower() not in calls[0].lower()
+                assert rec.answers[0] not in results[0]
+    n = len(recs)
+    for st, w in mix.items():  # drops move a few points at most
+        assert abs(seen[st] / n - w) < 0.1, (st, seen, n)
+    with pytest.raises(ValueError, match="strategy mix"):
+        pick_strategy({"searching": 1.0}, "x", 0)
+    with pytest.raises(ValueError, match="pool"):
+        one_hop_sft_examples(recs, tool, strategies=mix)
+
+
+def test_classify_strategy_by_hand():
+    from megatron_search.data.demo_tasks import classify_strategy
+
+    assert classify_strategy([], "The Pale Lodol") == "no_search"
+    assert classify_strategy(["the pale lodol"], "The Pale Lodol") == "search"
+    assert classify_strategy(["person wrote", "The Pale Lodol author"], "The Pale Lodol") == "redundant"
+    assert classify_strategy(["person wrote"], "The Pale Lodol") == "miss"

@@ -4,6 +4,7 @@ GRPO, held-out evaluation), a second call skips the finished stages, and the rep
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 
 
 def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
@@ -19,6 +20,7 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
                  "rm.steps=1", "rm.global_batch_pairs=4", "rm.micro_batch_pairs=2",
                  "grpo.steps=1", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
                  "rollout.max_new_tokens=8", "rollout.max_turns=2", "eval.max_new_tokens=8",
+                 "demo.pass_k=2", "demo.pass_k_questions=3",
                  "checkpoint.save_interval=1000", "logging.progress_bars=false"]
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     first = capsys.readouterr().out
@@ -54,6 +56,21 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     assert abs(diff["difference"] - (rep["heldout"]["grpo"]["accuracy"] - rep["heldout"]["sft"]["accuracy"])) < 1e-9
     assert "GRPO - SFT:" in (out / "report.md").read_text()
     assert len(rep["grpo_reward_first"]) == 1
+    # the agent trajectories mix the strategies (demo.strategy_mix); each held-out episode is classified
+    tool = [json.loads(line) for line in (out / "sft_tool.jsonl").open()]
+    assert {r["metadata"]["strategy"] for r in tool + practice} == {"search", "no_search", "miss", "redundant"}
+    for name, table in rep["strategies"].items():
+        assert abs(sum(v["share"] for v in table.values()) - 1.0) < 1e-9, (name, table)
+    # pass@k of the SFT policy on 3 training questions, 2 samples each, recounted from its result rows
+    train_rows = [json.loads(line) for line in (out / "eval_train" / "results.jsonl").open()]
+    assert len(train_rows) == 6 and {r["model"] for r in train_rows} == {"sft"}
+    hits = defaultdict(list)
+    for r in train_rows:
+        hits[r["id"]].append(r["grade"] == "CORRECT")
+    assert rep["sft_train_pass_at_k"] == {"k": 2, "questions": 3, "pass_at_k": sum(map(any, hits.values())) / 3,
+                                          "pass_at_1": sum(map(sum, hits.values())) / 6}
+    assert sorted(rep["figures"]) == ["grpo_penalties.png", "grpo_rewards.png"]
+    assert all((out / f).stat().st_size > 1000 for f in rep["figures"])
     # Everything is done: a second call runs no stage again and rewrites the same report.
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     again = capsys.readouterr().out

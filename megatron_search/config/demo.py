@@ -16,6 +16,10 @@ from .base import Section
 
 # The demo's SFT files, by the keys the mixes use.
 PARTS = ("tool", "practice", "copy", "copy_varied", "read")
+# How an agent trajectory goes about a question (data/demo_tasks.one_hop_sft_examples): search the subject and
+# answer from the results; answer at once (a guess: every entity is invented); search with a query that misses
+# the subject (results without the answer, then a guess); search the subject twice (right, one call too many).
+STRATEGIES = ("search", "no_search", "miss", "redundant")
 
 
 class DemoConfig(Section):
@@ -60,7 +64,15 @@ class DemoConfig(Section):
     sft_mix: dict[str, float] = Field(
         default_factory=lambda: {"tool": 0.1, "practice": 0.6, "copy_varied": 0.15, "read": 0.15},
         description=f"agent SFT sampling weights over {', '.join(PARTS)} ('tool': the demo world's trajectories)")
+    strategy_mix: dict[str, float] = Field(
+        default_factory=lambda: {"search": 0.3, "no_search": 0.25, "miss": 0.25, "redundant": 0.2},
+        description=f"share of the agent trajectories ('tool' and 'practice') following each strategy "
+        f"({', '.join(STRATEGIES)}; issue 21: GRPO's reward selects among them, as it would among trajectories "
+        "from several sources)")
     grpo_lr: PositiveFloat = Field(1e-4, description="constant GRPO learning rate (no warm-up)")
+    pass_k: PositiveInt = Field(8, description="samples per training question for the report's SFT pass@k (RL's "
+                                "ceiling: GRPO can only sharpen what the policy does some of the time)")
+    pass_k_questions: PositiveInt = Field(48, description="training questions sampled for the pass@k")
 
     @field_validator("sft_mix", "reading_warmup_mix")
     @classmethod
@@ -70,6 +82,15 @@ class DemoConfig(Section):
             raise ValueError(f"keys are {', '.join(PARTS)}, at least one with a positive weight")
         if any(w < 0 for w in mix.values()):
             raise ValueError("weights must be >= 0")
+        return mix
+
+    @field_validator("strategy_mix")
+    @classmethod
+    def _known_strategies(cls, mix: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(mix) - set(STRATEGIES))
+        if unknown or any(w < 0 for w in mix.values()) or not (mix.get("search", 0) + mix.get("redundant", 0)) > 0:
+            raise ValueError(f"keys are {', '.join(STRATEGIES)}, weights >= 0, and 'search' or 'redundant' positive "
+                             f"(the strategies that answer right), got {mix}")
         return mix
 
     @model_validator(mode="after")

@@ -23,7 +23,9 @@ import random
 import re
 from collections import Counter
 from dataclasses import asdict
+from typing import Optional
 
+from megatron_search.config.demo import STRATEGIES
 from megatron_search.search.tool import SearchTool, format_results
 
 from .records import QARecord
@@ -67,32 +69,101 @@ def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2) -> 
     return out
 
 
-def one_hop_sft_examples(records: list[QARecord], tool: SearchTool,
-                         answer: str = "name") -> tuple[list[SFTExample], list[dict]]:
+def names_by_type(world: World) -> dict[str, list[str]]:
+    """{entity type: its names}, sorted: the pool a guessing trajectory draws its wrong answer from."""
+    out: dict[str, list[str]] = {}
+    for e in world.entities.values():
+        out.setdefault(e.type, []).append(e.name)
+    return {t: sorted(v) for t, v in out.items()}
+
+
+def miss_query(rec: QARecord) -> str:
+    """A query about the question that leaves its subject out ("person wrote"): it finds documents, not the fact."""
+    rel = RELATION_BY_NAME[rec.chain[0]["relation"]]
+    return f"{ENTITY_TYPES[rel.obj][0]} {rel.top_inv}"
+
+
+def classify_strategy(queries: list[str], subject: str) -> str:
+    """Which of STRATEGIES a transcript followed, from its search queries and the question's subject."""
+    if not queries:
+        return "no_search"
+    if any(subject.lower() in q.lower() for q in queries):
+        return "search" if len(queries) == 1 else "redundant"
+    return "miss"
+
+
+def pick_strategy(mix: dict[str, float], key: str, seed: int) -> str:
+    """A strategy drawn with `mix`'s weights, fixed by (seed, key) so a record keeps its strategy run to run."""
+    unknown = sorted(set(mix) - set(STRATEGIES))
+    if unknown or not any(w > 0 for w in mix.values()) or any(w < 0 for w in mix.values()):
+        raise ValueError(f"strategy mix: keys are {', '.join(STRATEGIES)}, weights >= 0, one positive; got {mix}")
+    h = hashlib.sha256(f"{seed}:strategy:{key}".encode()).digest()
+    u = int.from_bytes(h[:8], "big") / 2**64 * sum(mix.values())
+    names = [k for k in STRATEGIES if mix.get(k, 0) > 0]
+    for k in names:
+        u -= mix[k]
+        if u < 0:
+            return k
+    return names[-1]
+
+
+def _guess(rec: QARecord, pool: dict[str, list[str]], seed: int, text: str = "") -> str:
+    """A wrong answer of the right type: the first such name in `text` (the results a missed search returned),
+    else one drawn from the world's names by (seed, record)."""
+    typ = RELATION_BY_NAME[rec.chain[0]["relation"]].obj
+    wrong = [n for n in pool.get(typ, []) if n not in rec.answers]
+    if not wrong:
+        raise ValueError(f"{rec.id}: the world has no other {typ} to guess")
+    seen = [n for n in wrong if n in text]
+    if seen:
+        return min(seen, key=text.index)
+    return wrong[int.from_bytes(hashlib.sha256(f"{seed}:guess:{rec.id}".encode()).digest()[:8], "big") % len(wrong)]
+
+
+def one_hop_sft_examples(records: list[QARecord], tool: SearchTool, answer: str = "name",
+                         strategies: Optional[dict[str, float]] = None, pool: Optional[dict[str, list[str]]] = None,
+                         seed: int = 0) -> tuple[list[SFTExample], list[dict]]:
     """Trajectories: search the subject's name (a real search_web call with its real results), then
     answer with the name (answer "name") or the fact restated (answer "sentence", fact_sentence). A
     record whose search does not surface the answer is dropped (returned with the reason), never
-    given a made-up tool response."""
+    given a made-up tool response.
+
+    With `strategies` ({strategy: weight} over STRATEGIES) each record follows one strategy, drawn by
+    (seed, record id): "search" as above; "no_search" answers at once with a wrong name of the right type
+    from `pool` (names_by_type); "miss" searches miss_query(record) and answers with a wrong name (one its
+    results show, when they show one; dropped if they hold the answer); "redundant" searches the subject twice,
+    then answers right. The metadata records the strategy."""
     if answer not in DRILL_ANSWERS:
         raise ValueError(f"one_hop_sft_examples: answer must be one of {DRILL_ANSWERS}, got {answer!r}")
+    if strategies is not None and pool is None:
+        raise ValueError("one_hop_sft_examples: a strategy mix needs `pool` (names_by_type) for the wrong guesses")
+
+    def reply(rec: QARecord, name: str) -> str:
+        return name if answer == "name" else fact_sentence(rec.chain[0]["relation"], rec.metadata["subject"], name)
+
     examples, dropped = [], []
     for rec in records:
-        query = rec.metadata["query"]
-        results = tool.backend.search(query, tool.max_results)
-        text = format_results(query, results)
-        if rec.answers[0] not in text:
-            dropped.append({"id": rec.id, "reason": f"search for {query!r} did not surface the answer"})
-            continue
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": rec.question},
-            {"role": "assistant", "content": "", "tool_calls": [_call(query)]},
-            {"role": "tool", "name": "search_web", "content": text},
-            {"role": "assistant", "content": rec.answers[0] if answer == "name" else
-             fact_sentence(rec.chain[0]["relation"], rec.metadata["subject"], rec.answers[0])},
-        ]
-        examples.append(SFTExample(f"{rec.id}-sft", "tool_single", messages, [tool.spec],
-                                   metadata={"qa_id": rec.id, "answers": rec.answers}))
+        strategy = "search" if strategies is None else pick_strategy(strategies, rec.id, seed)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": rec.question}]
+        query = miss_query(rec) if strategy == "miss" else rec.metadata["query"]
+        text = ""
+        if strategy != "no_search":
+            text = format_results(query, tool.backend.search(query, tool.max_results))
+            if strategy == "miss" and rec.answers[0] in text:
+                dropped.append({"id": rec.id, "reason": f"the missing query {query!r} surfaced the answer"})
+                continue
+            if strategy != "miss" and rec.answers[0] not in text:
+                dropped.append({"id": rec.id, "reason": f"search for {query!r} did not surface the answer"})
+                continue
+            for _ in range(2 if strategy == "redundant" else 1):
+                messages += [{"role": "assistant", "content": "", "tool_calls": [_call(query)]},
+                             {"role": "tool", "name": "search_web", "content": text}]
+        right = strategy in ("search", "redundant")
+        messages.append({"role": "assistant",
+                         "content": reply(rec, rec.answers[0] if right else _guess(rec, pool, seed, text))})
+        kind = "tool_single" if strategy == "search" else f"strategy_{strategy}"
+        examples.append(SFTExample(f"{rec.id}-sft", kind, messages, [tool.spec],
+                                   metadata={"qa_id": rec.id, "answers": rec.answers, "strategy": strategy}))
     return examples, dropped
 
 
@@ -184,12 +255,14 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
 
 
 def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_cfg, answer: str = "name",
-                          phrasing: str = "any") -> tuple[list[SFTExample], int]:
+                          phrasing: str = "any",
+                          strategies: Optional[dict[str, float]] = None) -> tuple[list[SFTExample], int]:
     """Trajectories over `num_worlds` extra invented worlds (each with its own in-memory index), so
     the agent SFT sees thousands of subjects instead of the demo world's few hundred training ones
     and must learn to search and read rather than recall. A trajectory that contains any name of
     the demo world (even inside a longer word) is dropped, so no demo fact, held out or not, is
-    taught; returns the examples and how many were dropped that way."""
+    taught; returns the examples and how many were dropped that way. `strategies`: as
+    one_hop_sft_examples, each world guessing among its own names."""
     from megatron_search.search.local import LocalSearchBackend
 
     from .world import build_world
@@ -201,7 +274,8 @@ def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_
         world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing)
         backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], search_cfg.snippet_chars)
         tool = SearchTool.from_config(search_cfg, backend=backend)
-        examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer)
+        examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer,
+                                           strategies=strategies, pool=names_by_type(world), seed=seed + k)
         for ex in examples:
             if clash.search(" ".join(m["content"] for m in ex.messages[1:])):
                 clashes += 1

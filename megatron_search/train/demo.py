@@ -23,7 +23,14 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+
+from megatron_search.config.demo import STRATEGIES
+from megatron_search.data.jsonl import read_jsonl
+from megatron_search.eval.results import ResultStore
+
+from .demo_report import FIGURES, pass_at_k, plot_curves, strategy_table
 
 DEMO_CONFIG = "configs/demo.yaml"
 
@@ -63,7 +70,7 @@ class Demo:
                 "sft_tool": o / "sft_tool.jsonl", "sft_practice": o / "sft_practice.jsonl",
                 "sft_copy": o / "sft_copy.jsonl", "sft_copy_varied": o / "sft_copy_varied.jsonl",
                 "sft_read": o / "sft_read.jsonl", "warmup": o / "warmup", "reading_warmup": o / "reading_warmup",
-                "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval"}
+                "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval", "eval_train": o / "eval_train"}
 
     def common(self) -> list[str]:
         p = self.paths()
@@ -89,7 +96,7 @@ class Demo:
     # ------------------------------------------------------------------ stages
     def build_data(self) -> None:
         from megatron_search.config import load_config
-        from megatron_search.data.demo_tasks import (copy_drills, one_hop_records, one_hop_sft_examples,
+        from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
                                                      practice_trajectories, reading_drills)
         from megatron_search.data.jsonl import write_jsonl
         from megatron_search.data.world import build_world
@@ -107,9 +114,11 @@ class Demo:
         build_index(docs, p["index"], progress=False)
         records = one_hop_records(world, seed=cfg.run.seed)
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
-        examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool, cur.answer_style)
+        examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool, cur.answer_style,
+                                                 strategies=cur.strategy_mix, pool=names_by_type(world),
+                                                 seed=cfg.run.seed)
         practice, clashes = practice_trajectories(world, cur.practice_worlds, cfg.run.seed, cfg.search,
-                                                  cur.answer_style, cur.world_phrasing)
+                                                  cur.answer_style, cur.world_phrasing, strategies=cur.strategy_mix)
         copies = copy_drills(world, cur.copy_drills, seed=cfg.run.seed)
         varied = copy_drills(world, cur.copy_drills, seed=cfg.run.seed + 1, layout="varied")
         reads = reading_drills(world, cur.reading_drills, seed=cfg.run.seed, answer=cur.answer_style,
@@ -131,11 +140,13 @@ class Demo:
         write_jsonl(p["sft_read"], [e.to_dict() for e in reads])
         write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
         n_test = sum(r.split == "test" for r in records)
+        shares = Counter(e.metadata["strategy"] for e in examples + practice)
+        total = max(1, sum(shares.values()))
         print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
               f"({n_test} held out); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
               f"the answer), {len(practice)} practice trajectories from {cur.practice_worlds} extra worlds ({clashes} "
-              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills",
-              flush=True)
+              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills; "
+              "strategies: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items())), flush=True)
 
     def warmup(self) -> None:
         """Copy warm-up: SFT on the copy drills alone, one short drill per row (no packing, so each
@@ -194,17 +205,31 @@ class Demo:
         # never shows), at most eval.max_calls calls
         evaluate(cfg, models, [BenchmarkSpec("records", str(p["qa"]), split="test", name="heldout")], p["eval"],
                  index_dir=str(p["index"]), variants=("standard",), progress=True)
+        # RL's ceiling: the SFT policy's pass@k on a sample of the training questions (demo_report.pass_at_k)
+        d = self.curriculum
+        cfg_k = load_config(self.config, [*self.common(), f"eval.samples={d.pass_k}"])
+        evaluate(cfg_k, {"sft": models["sft"]}, [BenchmarkSpec("records", str(p["qa"]), split="train", name="train")],
+                 p["eval_train"], index_dir=str(p["index"]), variants=("standard",), limit=d.pass_k_questions,
+                 progress=True, tensorboard=False)
 
     # ------------------------------------------------------------------ report
     def report(self) -> dict:
         p = self.paths()
         ev = json.loads((p["eval"] / "report.json").read_text())
-        rewards = _scalars(p["grpo"] / "tensorboard", "reward/mean")
-        r_base = _scalars(p["grpo"] / "tensorboard", "reward/r_base")
+        tags = {t for _, tags in FIGURES.values() for t in tags}
+        series = _series(p["grpo"] / "tensorboard", tags)
+        rewards = [v for _, v in series.get("reward/mean", [])]
+        r_base = [v for _, v in series.get("reward/r_base", [])]
         episodes = _heldout_episodes(p["eval"] / "results.jsonl")
+        subjects = {r["id"]: r["metadata"]["subject"] for r in read_jsonl(p["qa"])}
+        train_rows = list(ResultStore(p["eval_train"] / "results.jsonl").rows(model="sft", benchmark="train"))
+        figures = plot_curves(series, self.out)
         rep = {"heldout": _model_rows(ev, episodes), "grpo_minus_sft": _paired_difference(episodes),
+               "strategies": {m: strategy_table(rows, subjects) for m, rows in episodes.items()},
+               "sft_train_pass_at_k": pass_at_k(train_rows),
                "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
                "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
+               "figures": [f.name for f in figures],
                "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1))
         k = ev["eval_config"]["samples"]
@@ -221,9 +246,22 @@ class Demo:
         points = round(100 * d["difference"], 1) + 0.0  # + 0.0: no "-0.0"
         lines += ["", f"GRPO - SFT: {points:+.1f} points, standard error {100 * d['stderr']:.1f} "
                       f"(paired over {d['questions']} held-out questions)"]
+        lines += ["", "Strategy of each held-out episode, from its queries (share of episodes, and their accuracy):", "",
+                  "| strategy | " + " | ".join(rep["strategies"]) + " |", "| --- |" + " --- |" * len(rep["strategies"])]
+        for st in STRATEGIES:
+            cells = []
+            for table in rep["strategies"].values():
+                acc = table[st]["accuracy"]
+                cells.append(f"{100 * table[st]['share']:.1f}% ({'-' if acc is None else f'{100 * acc:.0f}% right'})")
+            lines.append(f"| {st} | " + " | ".join(cells) + " |")
+        pk = rep["sft_train_pass_at_k"]
+        if pk["questions"]:
+            lines += ["", f"SFT policy on {pk['questions']} training questions: pass@{pk['k']} "
+                          f"{100 * pk['pass_at_k']:.1f}%, pass@1 {100 * pk['pass_at_1']:.1f}% (RL's ceiling)"]
         if rewards:
             lines += ["", f"GRPO mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}; "
                           f"QA correctness r_base: {r_base[0]:.3f} -> {r_base[-1]:.3f}"]
+        lines += [f"![{f.stem}]({f.name})" for f in figures]
         (self.out / "report.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
         return rep
@@ -254,12 +292,14 @@ def _previous_stage_seconds(report: Path) -> dict:
         return {}
 
 
-def _scalars(logdir: Path, tag: str) -> list[float]:
+def _series(logdir: Path, tags) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of GRPO's TensorBoard scalars (tags it never logged are absent)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(logdir))
     ea.Reload()
-    return [e.value for e in ea.Scalars(tag)] if tag in ea.Tags()["scalars"] else []
+    have = set(ea.Tags()["scalars"])
+    return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in tags if t in have}
 
 
 def _heldout_episodes(results: Path) -> dict[str, list[dict]]:
