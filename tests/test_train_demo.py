@@ -69,6 +69,14 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
         hits[r["id"]].append(r["grade"] == "CORRECT")
     assert rep["sft_train_pass_at_k"] == {"k": 2, "questions": 3, "pass_at_k": sum(map(any, hits.values())) / 3,
                                           "pass_at_1": sum(map(sum, hits.values())) / 6}
+    # each warm-up checked its skill on held-out drills at its last step (the cap here) and the report says so
+    for name in ("warmup", "reading_warmup"):
+        w = rep["warmups"][name]
+        logged = [json.loads(line) for line in (out / name / "skill_checks.jsonl").open()]
+        assert w["step"] == 2 and logged[-1]["iteration"] == 2 and w["accuracy"] == logged[-1]["accuracy"]
+        assert ("reached at step 2" if w["reached"] else "NOT reached by step 2") in (out / "report.md").read_text()
+    check_names = {json.loads(line)["messages"][1]["content"] for line in (out / "copy_check.jsonl").open()}
+    assert len(check_names) == 64 and not check_names & {c["messages"][1]["content"] for c in copies}
     assert sorted(rep["figures"]) == ["grpo_penalties.png", "grpo_rewards.png"]
     assert all((out / f).stat().st_size > 1000 for f in rep["figures"])
     # Everything is done: a second call runs no stage again and rewrites the same report.

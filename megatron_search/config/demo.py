@@ -40,16 +40,27 @@ class DemoConfig(Section):
         "'copy_varied' (the name among filler words and a distractor name; data/demo_tasks.copy_drills)")
     reading_drills: PositiveInt = Field(5000, description="passage + question -> answer examples written ('read')")
     warmup_steps: NonNegativeInt = Field(
-        500, description="copy warm-up SFT steps on the 'copy' drills before the agent SFT (0: no warm-up); "
-        "copying fresh names: 17% after 300 steps, 77% after 400, 97% after 500 (measured), but from a fixed "
-        "offset before the end of the prompt (0% once anything follows the name)")
+        800, description="cap on the copy warm-up's SFT steps on the 'copy' drills before the agent SFT (0: no "
+        "warm-up); it ends earlier once warmup_threshold is reached. Copying fresh names: 17% after 300 steps, 77% "
+        "after 400, 97% after 500 (measured), but from a fixed offset before the end of the prompt (0% once anything "
+        "follows the name)")
+    warmup_threshold: float = Field(
+        0.9, gt=0, le=1, description="copy warm-up: share of held-out copy drills (fresh names) copied exactly, "
+        "greedily, that ends it (sft.skill_check, every skill_check_every steps)")
     warmup_lr: PositiveFloat = Field(2e-3, description="constant LR of the warm-up (after optim.warmup_steps)")
     warmup_batch: PositiveInt = Field(128, description="drills per warm-up step (one per row, unpacked)")
     warmup_seq_length: PositiveInt = Field(
         40, description="row length of the warm-up (a copy drill is 19-33 tokens with the demo tokenizer)")
     reading_warmup_steps: NonNegativeInt = Field(
-        1600, description="reading warm-up SFT steps after the copy warm-up, on reading_warmup_mix (0: none); "
-        "reading drills answered: 0% after 800 steps, 3/18/33/45% after 1000/1200/1400/1600 (measured)")
+        2400, description="cap on the reading warm-up's SFT steps after the copy warm-up, on reading_warmup_mix "
+        "(0: none); it ends earlier once reading_threshold is reached. Reading drills answered: 0% after 800 steps, "
+        "3/18/33/45% after 1000/1200/1400/1600 in one run (measured): the skill appears late and abruptly, at a "
+        "step that varies from run to run and machine to machine")
+    reading_threshold: float = Field(
+        0.5, gt=0, le=1, description="reading warm-up: share of held-out reading drills answered exactly, greedily, "
+        "that ends it")
+    skill_check_every: PositiveInt = Field(100, description="warm-up steps between skill checks")
+    skill_check_drills: PositiveInt = Field(64, description="held-out drills (fresh names) per skill check")
     reading_warmup_mix: dict[str, float] = Field(
         default_factory=lambda: {"copy_varied": 0.5, "read": 0.5},
         description="sampling weights of the reading warm-up (keys as sft_mix)")

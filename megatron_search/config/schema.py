@@ -139,6 +139,9 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
             out.append(f"model.mtp: mtp_num_hidden_layers={arch.mtp_num_layers} in {cfg.model.hf_config}; Qwen3.5 "
                        f"checkpoints hold one fc / pre-fc norm / norm set for their MTP module, which maps onto "
                        f"exactly one Megatron MTP layer")
+    if cfg.sft.skill_check.path and (p.tp, p.pp, p.cp) != (1, 1, 1):
+        out.append(f"sft.skill_check: the greedy check decodes on each rank's whole model; it needs TP = PP = CP = 1, "
+                   f"got TP={p.tp} PP={p.pp} CP={p.cp} (unset sft.skill_check.path)")
     if cfg.sft.seq_length % p.sequence_multiple:
         out.append(f"sft.seq_length: {cfg.sft.seq_length} is not a multiple of TP={p.tp} (sequence parallelism "
                    f"splits the sequence over the TP ranks)")

@@ -22,6 +22,20 @@ class OptimConfig(Section):
     cpu_offload: bool = Field(False, description="keep optimizer state (fp32 master + Adam moments) on the host")
 
 
+class SkillCheckConfig(Section):
+    """Stop an SFT run once the model does what it is trained for: every `every` steps the model answers the
+    held-out examples of `path` greedily, and the run ends (checkpoint saved) when the share answered exactly
+    reaches `threshold`; `sft.steps` is then the cap (ours: the demo's warm-ups, issue 21.4)."""
+
+    path: Optional[str] = Field(None, description="JSONL of chat examples; the last assistant message is the expected "
+                                "answer, the messages before it the prompt (unset: no check)")
+    every: PositiveInt = Field(100, description="steps between checks")
+    threshold: float = Field(0.9, gt=0, le=1, description="share of exact answers that ends the run")
+    min_steps: NonNegativeInt = Field(0, description="no check before this step")
+    max_examples: PositiveInt = Field(64, description="examples of `path` checked (the first ones)")
+    max_new_tokens: PositiveInt = Field(40, description="greedy tokens per answer")
+
+
 class SFTConfig(Section):
     """SFT warm-up: loss on assistant tokens only (RECIPE section 2)."""
 
@@ -37,6 +51,7 @@ class SFTConfig(Section):
         default_factory=dict, description="dataset path (JSONL / parquet / Arrow file, or a local Hub-layout / save_to_disk "
         "folder) -> sampling weight of the SFT mix"
     )
+    skill_check: SkillCheckConfig = Field(default_factory=SkillCheckConfig)
 
 
 class CheckpointConfig(Section):

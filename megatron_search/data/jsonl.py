@@ -78,5 +78,13 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[Any]) -> int:
     return len(lines)
 
 
+def append_jsonl(path: str | os.PathLike, row: Any) -> None:
+    """Append one row as a line (a log that grows as a run goes; flushed at once)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, ensure_ascii=False, indent=1) + "\n")

@@ -69,7 +69,8 @@ class Demo:
         return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "tokenizer": o / "tokenizer.json",
                 "sft_tool": o / "sft_tool.jsonl", "sft_practice": o / "sft_practice.jsonl",
                 "sft_copy": o / "sft_copy.jsonl", "sft_copy_varied": o / "sft_copy_varied.jsonl",
-                "sft_read": o / "sft_read.jsonl", "warmup": o / "warmup", "reading_warmup": o / "reading_warmup",
+                "sft_read": o / "sft_read.jsonl", "copy_check": o / "copy_check.jsonl", "read_check": o / "read_check.jsonl",
+                "warmup": o / "warmup", "reading_warmup": o / "reading_warmup",
                 "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval", "eval_train": o / "eval_train"}
 
     def common(self) -> list[str]:
@@ -123,6 +124,10 @@ class Demo:
         varied = copy_drills(world, cur.copy_drills, seed=cfg.run.seed + 1, layout="varied")
         reads = reading_drills(world, cur.reading_drills, seed=cfg.run.seed, answer=cur.answer_style,
                                phrasing=cur.world_phrasing)
+        # held-out drills for the warm-ups' skill checks: names drawn with seeds no training drill uses
+        copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003)
+        read_check = reading_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003,
+                                    answer=cur.answer_style, phrasing=cur.world_phrasing)
         fmt = ChatFormat(style=cfg.model.chat_style)
         # the tokenizer sees a sample of the practice trajectories: their text repeats the tool schema and templates
         sample = examples + practice[:cur.tokenizer_practice_sample] + copies + varied + reads
@@ -138,6 +143,8 @@ class Demo:
         write_jsonl(p["sft_copy"], [e.to_dict() for e in copies])
         write_jsonl(p["sft_copy_varied"], [e.to_dict() for e in varied])
         write_jsonl(p["sft_read"], [e.to_dict() for e in reads])
+        write_jsonl(p["copy_check"], [e.to_dict() for e in copy_check])
+        write_jsonl(p["read_check"], [e.to_dict() for e in read_check])
         write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
         n_test = sum(r.split == "test" for r in records)
         shares = Counter(e.metadata["strategy"] for e in examples + practice)
@@ -155,7 +162,15 @@ class Demo:
         _cli(["sft", self.config, *self.common(), f"run.output_dir={p['warmup']}", f"sft.datasets={{{p['sft_copy']}: 1.0}}",
               f"sft.steps={d.warmup_steps}", f"optim.lr={d.warmup_lr}", "optim.lr_schedule=constant",
               "sft.packing=false", f"sft.seq_length={d.warmup_seq_length}", f"sft.global_batch_size={d.warmup_batch}",
-              f"sft.micro_batch_size={d.warmup_batch}", f"checkpoint.save_interval={d.warmup_steps}"], self.log)
+              f"sft.micro_batch_size={d.warmup_batch}", f"checkpoint.save_interval={d.warmup_steps}",
+              *self._skill_check(p["copy_check"], d.warmup_threshold)], self.log)
+
+    def _skill_check(self, path: Path, threshold: float) -> list[str]:
+        """sft.skill_check overrides: the warm-up ends once `threshold` of the held-out drills at `path` are
+        answered exactly (its step count is the cap)."""
+        d = self.curriculum
+        return [f"sft.skill_check.path={path}", f"sft.skill_check.threshold={threshold}",
+                f"sft.skill_check.every={d.skill_check_every}", f"sft.skill_check.max_examples={d.skill_check_drills}"]
 
     def reading_warmup(self) -> None:
         """Reading warm-up, from the copy warm-up's weights: copy drills with the name anywhere and
@@ -168,7 +183,8 @@ class Demo:
               f"sft.steps={d.reading_warmup_steps}", f"optim.lr={d.reading_warmup_lr}", "optim.lr_schedule=constant",
               "sft.packing=false", f"sft.seq_length={d.reading_warmup_seq_length}",
               f"sft.global_batch_size={d.reading_warmup_batch}", f"sft.micro_batch_size={d.reading_warmup_batch}",
-              f"checkpoint.save_interval={d.reading_warmup_steps}"], self.log)
+              f"checkpoint.save_interval={d.reading_warmup_steps}",
+              *self._skill_check(p["read_check"], d.reading_threshold)], self.log)
 
     def _start(self) -> list[str]:
         """`checkpoint.load` of the latest warm-up stage that ran (none: from scratch)."""
@@ -230,12 +246,22 @@ class Demo:
                "grpo_reward_first": rewards[:1], "grpo_reward_last": rewards[-1:],
                "grpo_r_base_first": r_base[:1], "grpo_r_base_last": r_base[-1:],
                "figures": [f.name for f in figures],
+               "warmups": {name: _skill_checks(p[name] / "skill_checks.jsonl", threshold)
+                           for name, threshold in (("warmup", self.curriculum.warmup_threshold),
+                                                   ("reading_warmup", self.curriculum.reading_threshold))
+                           if (p[name] / "skill_checks.jsonl").exists()},
                "stage_seconds": {**_previous_stage_seconds(self.out / "report.json"), **self.times}}
         (self.out / "report.json").write_text(json.dumps(rep, indent=1))
         k = ev["eval_config"]["samples"]
         per = f" (mean of {k} samples per question)" if k > 1 else ""
-        lines = ["# megatron-search demo report", "",
-                 f"| model | held-out accuracy{per} | tool calls / question | effective calls / question | "
+        lines = ["# megatron-search demo report", ""]
+        for name, w in rep["warmups"].items():
+            state = (f"reached at step {w['step']}" if w["reached"] else f"NOT reached by step {w['step']} (the cap)")
+            lines.append(f"- {name.replace('_', ' ')}: {100 * w['accuracy']:.1f}% of held-out drills answered exactly, "
+                         f"threshold {100 * w['threshold']:.0f}% {state}")
+        if rep["warmups"]:
+            lines.append("")
+        lines += [f"| model | held-out accuracy{per} | tool calls / question | effective calls / question | "
                  "episodes with a broken tool call |",
                  "| --- | --- | --- | --- | --- |"]
         for name, row in rep["heldout"].items():
@@ -282,6 +308,14 @@ class Demo:
         rep = self.report()
         print(f"[demo] finished in {time.perf_counter() - t0:.0f}s; report: {self.out / 'report.md'}", flush=True)
         return rep
+
+
+def _skill_checks(log: Path, threshold: float) -> dict:
+    """A warm-up's last skill check: {step, accuracy, reached, threshold, checks} (sft.skill_check's log)."""
+    rows = list(read_jsonl(log))
+    last = rows[-1] if rows else {"iteration": 0, "accuracy": 0.0, "reached": False}
+    return {"step": last["iteration"], "accuracy": last["accuracy"], "reached": bool(last["reached"]),
+            "threshold": threshold, "checks": [(r["iteration"], r["accuracy"]) for r in rows]}
 
 
 def _previous_stage_seconds(report: Path) -> dict:

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_search.data.jsonl import append_jsonl, read_jsonl
 from megatron_search.distributed import collectives as coll
 from tqdm import tqdm
 
@@ -58,6 +59,34 @@ def _agree_stop(requested: bool) -> bool:
     return bool(flag.item())
 
 
+def build_skill_check(cfg):
+    """The sft.skill_check of this run (None when unset), with the run's tokenizer and chat format."""
+    if not cfg.sft.skill_check.path:
+        return None
+    from megatron_search.rollout.tokenizer import ChatEncoder
+
+    from .skill_check import SkillCheck
+    from .sft_data import chat_format_for, tokenizer_for
+
+    return SkillCheck(cfg, ChatEncoder(tokenizer_for(cfg), chat_format_for(cfg)))
+
+
+def _agreed_min(value: float) -> float:
+    """The smallest of every rank's `value`: the ranks decide to stop together."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        coll.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _skill_reached_at(log_path: Path) -> int:
+    """The step at which an earlier run of this output_dir reached its skill threshold (0: never)."""
+    if not log_path.exists():
+        return 0
+    reached = [r["iteration"] for r in read_jsonl(log_path) if r.get("reached")]
+    return reached[-1] if reached else 0
+
+
 def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None,
             on_start: Optional[Callable[[object], None]] = None) -> dict:
     """Train cfg.sft.steps steps (or until a stop signal); returns a summary.
@@ -66,7 +95,9 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     `on_start(trainer)` runs once the model is built (and resumed); `on_step(iteration, metrics)`
     after each step; both on every rank (progress hooks, tests).
     Summary: {"iterations": [...], "losses": [...], "grad_norms": [...], "stopped": bool,
-    "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut, "rank"}.
+    "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut, "rank",
+    "skill_checks": [{"iteration", "accuracy", "reached"}], "skill_reached": set when sft.skill_check ended the
+    run (checkpoint saved; the checks are also in <output_dir>/skill_checks.jsonl)}.
     """
     from megatron_search.distributed import init_distributed
 
@@ -91,7 +122,11 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         out = Path(cfg.run.output_dir)
         writer = MetricsWriter(out / "tensorboard", enabled=cfg.logging.tensorboard and ctx.is_main)
         summary = {"iterations": [], "losses": [], "grad_norms": [], "stopped": False, "checkpoint": None,
-                   "rank": ctx.rank}
+                   "rank": ctx.rank, "skill_checks": []}
+        check = build_skill_check(cfg)
+        checks_log = out / "skill_checks.jsonl"
+        if check is not None and _skill_reached_at(checks_log) == trainer.iteration > 0:
+            return {**summary, "skill_reached": True}  # a resumed run whose skill was reached: nothing to do
         bar = tqdm(total=cfg.sft.steps, initial=trainer.iteration, desc="sft", unit="step",
                    disable=not (ctx.is_main and cfg.logging.progress_bars))
         saved_at = None
@@ -111,10 +146,23 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
             bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{m['lr']:.2e}")
             if on_step is not None:
                 on_step(it, m)
+            reached = False
+            if check is not None and (check.due(it) or it == cfg.sft.steps):  # the cap's step is always checked
+                acc = _agreed_min(check.accuracy(trainer.model[0]))
+                reached = acc >= cfg.sft.skill_check.threshold
+                summary["skill_checks"].append({"iteration": it, "accuracy": acc, "reached": reached})
+                writer.scalars(it, {"train/skill_check_accuracy": acc})
+                if ctx.is_main:
+                    append_jsonl(checks_log, summary["skill_checks"][-1])
+                    bar.write(f"skill check at step {it}: {100 * acc:.1f}% exact "
+                              f"(threshold {100 * cfg.sft.skill_check.threshold:.0f}%)" + ("; done" if reached else ""))
             stopping = _agree_stop(stop.requested)
-            if trainer.should_save() or stopping or it == cfg.sft.steps:
+            if trainer.should_save() or stopping or reached or it == cfg.sft.steps:
                 summary["checkpoint"] = str(trainer.save(extra={"data": batcher.state_dict()}))
                 saved_at = it
+            if reached:
+                summary["skill_reached"] = True
+                break
             if stopping:
                 summary["stopped"] = True
                 if ctx.is_main:
