@@ -26,7 +26,7 @@ class FakeSearxng:
 
     def __init__(self):
         self.mode = "ok"
-        self.hits = 0
+        self.hits = self.inflight = self.peak = 0
         self.seen = []
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -39,6 +39,11 @@ class FakeSearxng:
         self.seen.append((dict(request.query), request.headers.get("Authorization")))
         if self.mode == "stall":
             await asyncio.sleep(3)
+        if self.mode == "delay":  # counts its own requests in flight (stalled ones of earlier tests may linger)
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+            await asyncio.sleep(0.05)
+            self.inflight -= 1
         if self.mode == "500":
             return web.Response(status=500, text="boom")
         if self.mode == "404":
@@ -89,7 +94,7 @@ def server():
 
 @pytest.fixture(autouse=True)
 def reset(server):
-    server.mode, server.hits, server.seen = "ok", 0, []
+    server.mode, server.hits, server.seen, server.peak = "ok", 0, [], 0
 
 
 def backend(server, **kw):
@@ -148,6 +153,24 @@ def test_stalling_server_times_out_into_tool_error_and_counts_e(server):
     assert result.failed and not result.ok and "timed out after 0.2 s (2 attempt(s))" in result.text
     assert session.stats.failed == 1 and session.stats.calls == 1 and session.stats.effective_calls == 0
     assert server.hits == 2
+
+
+def test_requests_queued_for_a_slot_do_not_time_out(server):
+    """max_connections bounds the requests in flight; the per-attempt timeout starts when one is sent, so 40
+    searches through 2 slots (the last waits about 1 s) all succeed under a 0.5 s timeout."""
+    server.mode = "delay"
+    b = backend(server, timeout_s=0.5, retries=0, max_connections=2)
+
+    async def go():
+        try:
+            return await asyncio.gather(*(b.asearch(f"q{i}", 3) for i in range(40)))
+        finally:
+            await b.aclose()
+
+    assert [len(r) for r in asyncio.run(go())] == [3] * 40
+    assert server.hits == 40 and server.peak == 2
+    with pytest.raises(ValueError, match="max_connections"):
+        backend(server, max_connections=0)
 
 
 def test_server_error_in_agent_path_counts_e_per_call(server):

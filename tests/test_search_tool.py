@@ -3,8 +3,8 @@ import asyncio
 
 import pytest
 
-from megatron_search.search import (BROKEN_KINDS, SearchBackend, SearchBackendError, SearchResult, SearchTool,
-                                    ToolCall, format_results)
+from megatron_search.search import (BROKEN_KINDS, SEARCH_FAILURE_KINDS, SearchBackend, SearchBackendError,
+                                    SearchResult, SearchTimeout, SearchTool, ToolCall, format_results)
 from megatron_search.search.local import LocalSearchBackend
 
 
@@ -106,6 +106,35 @@ def test_backend_failure_is_a_tool_error_and_counts_e(error):
                for r in results)
     assert session.stats.calls == 2 and session.stats.failed == 2 and session.stats.effective_calls == 0
     assert session.stats.broken_total == 0
+
+
+class StuckBackend(SearchBackend):
+    """Never answers a query that starts with 'stuck'; raises its own timeout for 'late'."""
+
+    def search(self, query, k):
+        raise AssertionError("the agent loop uses asearch")
+
+    async def asearch(self, query, k):
+        if query.startswith("stuck"):
+            await asyncio.Event().wait()
+        if query.startswith("late"):
+            raise SearchTimeout("searxng at http://x failed: timed out after 10 s (3 attempt(s))")
+        return [SearchResult("t", "u", "s", "d")]
+
+
+def test_search_failures_are_classified_and_a_stuck_backend_hits_the_call_deadline():
+    session = SearchTool(StuckBackend(), call_timeout_s=0.2).session(budget=5)
+    calls = [call("stuck 1"), call("late 1"), call("fine"), call("stuck 2")]
+    results = run(session.execute_all(calls))
+    assert [r.ok for r in results] == [False, False, True, False]
+    assert "no answer within 0.2 s" in results[0].text and "timed out after 10 s" in results[1].text
+    assert session.stats.failed == 3 and session.stats.failed_kinds == {"search_timeout": 3, "search_error": 0}
+    bad = SearchTool(CountingBackend(fail_with=SearchBackendError("HTTP 500"))).session()
+    run(bad.execute(call()))
+    assert bad.stats.failed_kinds == {"search_timeout": 0, "search_error": 1}
+    assert set(SEARCH_FAILURE_KINDS) == set(bad.stats.failed_kinds)
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        SearchTool(StuckBackend(), call_timeout_s=0)
 
 
 def test_execute_all_keeps_order_with_mixed_calls():

@@ -43,7 +43,8 @@ def check_run(run_dir: Path, steps: int) -> None:
     assert all(abs(k) < 1e-3 for k in scalars(run_dir, "train/mismatch_kl_k3"))
     assert weights_changed(run_dir)
     for tag in ("reward/r_base", "reward/preference", "reward/pen_tool", "reward/pen_len", "rollout/tool_calls",
-                "rollout/effective_calls", "rollout/broken_calls", "rollout/response_tokens", "advantage/std",
+                "rollout/effective_calls", "rollout/broken_calls", "rollout/search_timeouts", "rollout/search_errors",
+                "rollout/response_tokens", "advantage/std",
                 "train/is_weight_mean", "train/grad_norm", "train/lr", "time/rollout_s", "time/train_s",
                 "time/weight_sync_s", "perf/rollouts_per_s", "train/zero_signal_groups", "train/filtered_groups"):
         assert scalars(run_dir, tag), tag

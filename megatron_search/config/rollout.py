@@ -22,6 +22,10 @@ class SearchConfig(Section):
     timeout_s: PositiveFloat = Field(10.0, description="per HTTP attempt, seconds (HTTP backends)")
     retries: NonNegativeInt = Field(2, description="extra attempts after a timeout / 429 / 5xx (HTTP backends)")
     retry_backoff_s: NonNegativeFloat = Field(0.5, description="first retry delay, doubled per retry")
+    max_connections: PositiveInt = Field(100, description="search requests in flight (HTTP backends); more wait, "
+                                                       "and their timeout starts once they are sent")
+    call_timeout_s: Optional[PositiveFloat] = Field(
+        60.0, description="a whole search call, retries included; past it the call fails as search_timeout (None = off)")
     snippet_chars: PositiveInt = Field(300, description="snippet length per local result (tool response size)")
 
 

@@ -13,10 +13,15 @@ Routed experts (routing replay): each turn asks only for the rows not yet held
 Stop reasons: answer (a turn without tool calls), length (a turn hit max_new_tokens),
 unclosed_reasoning (stopped inside <think>), max_total_tokens, max_turns, abort (the engine
 aborted the request, e.g. for a weight update), undecodable (sampled ids outside the tokenizer).
+A rollout whose engine call fails is lost instead: `run` raises (an EngineError; a reply that
+breaks the engine contract is a MalformedReply) and `run_many` stops or, with
+`return_failures=True`, returns a classified `RolloutFailed` in its place (rollout/failures.py).
+Search failures never end a rollout; they are counted in `Rollout.search_failures`.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -25,9 +30,10 @@ from tqdm import tqdm
 
 from megatron_search.search.tool import SearchTool, ToolChoice
 
-from .engine import Engine, EngineError
+from .engine import Engine, MalformedReply
+from .failures import RolloutFailed
 from .tokenizer import ChatEncoder
-from .types import GenerateRequest, Rollout, SamplingParams, Segment
+from .types import GenerateRequest, GenerateResult, Rollout, SamplingParams, Segment
 
 
 @dataclass(frozen=True)
@@ -79,20 +85,34 @@ class SearchAgent:
         self.settings = settings
         self.tools = [tool.spec]
 
-    async def run_many(self, tasks: Sequence[AgentTask], progress: bool = True, desc: str = "rollouts") -> list[Rollout]:
-        """All tasks, at most `settings.concurrency` in flight; results in task order."""
+    async def run_many(self, tasks: Sequence[AgentTask], progress: bool = True, desc: str = "rollouts",
+                       return_failures: bool = False) -> list:
+        """All tasks, at most `settings.concurrency` in flight; results in task order.
+
+        A lost rollout either stops the batch (default: the others are cancelled and awaited, then its
+        exception is raised) or, with `return_failures`, takes its place as a `RolloutFailed` (its class in
+        `.kind`; `failures.failure_counts(results)` counts them). Nothing is left running on return."""
         gate = asyncio.Semaphore(self.settings.concurrency)
         bar = tqdm(total=len(tasks), desc=desc, unit="rollout", disable=not progress)
 
-        async def one(task: AgentTask) -> Rollout:
+        async def one(i: int, task: AgentTask):
             async with gate:
-                out = await self.run(task)
-            bar.update(1)
-            return out
+                try:
+                    return await self.run(task)
+                except Exception as e:
+                    if not return_failures:
+                        raise
+                    return RolloutFailed.wrap(i, e)
+                finally:
+                    bar.update(1)
 
+        jobs = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(tasks)]
         try:
-            return list(await asyncio.gather(*(one(t) for t in tasks)))
+            return list(await asyncio.gather(*jobs))
         finally:
+            for j in jobs:
+                j.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)  # no orphan keeps using the engine
             bar.close()
 
     async def run(self, task: AgentTask) -> Rollout:
@@ -121,6 +141,7 @@ class SearchAgent:
                 list(ids), sampling, return_logprob=True, return_routed_experts=s.return_routed_experts,
                 routed_experts_start_len=expert_rows,
             ))
+            _check_turn(res, sampling.max_new_tokens)
             out = res.output_ids
             start = len(ids)
             ids += out
@@ -167,7 +188,7 @@ class SearchAgent:
         if experts is not None and experts.shape[0] != len(ids) - 1:
             # only an aborted request can come back without its rows; never hand misaligned rows on
             if stop_reason != "abort":
-                raise EngineError(f"routed experts: the engine returned {experts.shape[0]} rows for {len(ids)} tokens")
+                raise MalformedReply(f"routed experts: the engine returned {experts.shape[0]} rows for {len(ids)} tokens")
             experts = None
         rollout = Rollout(
             prompt_len=prompt_len, token_ids=ids, logprobs=logprobs, loss_mask=mask, segments=segments,
@@ -175,6 +196,20 @@ class SearchAgent:
             final_answer=final_answer, stop_reason=stop_reason,
             routed_experts_NLK=experts,
             messages=messages, metadata=dict(task.metadata, queries=list(stats.queries)),
+            search_failures=dict(stats.failed_kinds),
         )
         rollout.check()
         return rollout
+
+
+def _check_turn(res: GenerateResult, max_new_tokens: int) -> None:
+    """The engine contract the transcript relies on, whatever the engine: one finite logprob per sampled id,
+    no more ids than asked for."""
+    n = len(res.output_ids)
+    if res.output_logprobs is None or len(res.output_logprobs) != n:
+        got = "no" if res.output_logprobs is None else len(res.output_logprobs)
+        raise MalformedReply(f"engine turn: {got} logprobs for {n} sampled ids")
+    if not all(math.isfinite(lp) for lp in res.output_logprobs):
+        raise MalformedReply("engine turn: a sampled token's logprob is not finite (NaN or infinity)")
+    if n > max_new_tokens:
+        raise MalformedReply(f"engine turn: {n} sampled ids for max_new_tokens={max_new_tokens}")

@@ -24,6 +24,18 @@ class EngineError(RuntimeError):
     """The engine refused or failed a request; the message says which endpoint and why."""
 
 
+class EngineUnreachable(EngineError):
+    """No complete answer came back: connection refused, reset or dropped, or a body cut short."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the client's request timeout."""
+
+
+class MalformedReply(EngineError):
+    """The engine answered 200 with a body that is not a valid reply (not JSON, wrong types, NaN logprobs...)."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_path: str
@@ -131,14 +143,19 @@ def encode_routed_experts(experts_NLK: np.ndarray) -> str:
 
 def decode_routed_experts(data: str, num_layers: int, top_k: int, expected_rows: Optional[int] = None) -> np.ndarray:
     """Inverse of `encode_routed_experts`; checks the size against layers * top_k (and rows)."""
-    raw = base64.b64decode(data.encode("ascii"))
+    try:
+        raw = base64.b64decode(data.encode("ascii"), validate=True)
+    except (AttributeError, ValueError) as e:  # not a string, not ASCII, not base64
+        raise MalformedReply(f"routed_experts: not a base64 string ({type(e).__name__})") from None
+    if len(raw) % 4:
+        raise MalformedReply(f"routed_experts: {len(raw)} bytes are not a whole number of int32 values")
     flat = np.frombuffer(raw, dtype="<i4")
     per_row = num_layers * top_k
     if per_row <= 0 or flat.size % per_row:
-        raise EngineError(
+        raise MalformedReply(
             f"routed_experts: {flat.size} int32 values do not split into rows of {num_layers} layers x top_k {top_k}"
         )
     out = flat.reshape(-1, num_layers, top_k).astype(np.int32)
     if expected_rows is not None and out.shape[0] != expected_rows:
-        raise EngineError(f"routed_experts: got {out.shape[0]} rows, expected {expected_rows} (seqlen - 1 - start_len)")
+        raise MalformedReply(f"routed_experts: got {out.shape[0]} rows, expected {expected_rows} (seqlen - 1 - start_len)")
     return out

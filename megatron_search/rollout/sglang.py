@@ -16,6 +16,8 @@ no key is ever on a command line; the key is never logged or shown in a repr.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import signal
 import subprocess
@@ -29,7 +31,8 @@ from typing import Any, Literal, Optional, Sequence
 import aiohttp
 
 from .auth import bearer_header, check_key, client_key_env, job_key, key_from_env
-from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode, decode_routed_experts
+from .engine import (Engine, EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo,
+                     PauseMode, decode_routed_experts)
 from .local_weights import LOCAL_TENSOR_FORMAT, serialize_named_tensors
 from .types import FinishReason, GenerateRequest, GenerateResult
 
@@ -76,25 +79,39 @@ class SGLangClient(Engine):
         return self._session
 
     async def _call(self, path: str, payload: Optional[dict] = None, method: str = "POST") -> Any:
+        """One request. Failures by class (rollout/failures.py): EngineTimeout, EngineUnreachable (no complete
+        answer), EngineError (an error status or `success: false`), MalformedReply (a JSON answer that does not parse)."""
         url = f"{self.base_url}{path}"
         try:
             async with self._sess().request(method, url, json=payload) as resp:
-                text = await resp.text()
-                if resp.status == 401:
-                    raise EngineError(f"{url}: HTTP 401: the engine wants an API key and this client sent "
-                                      f"{'a different one' if self._api_key else 'none'} ({self._key_source})")
-                if resp.status != 200:
-                    raise EngineError(f"{url}: HTTP {resp.status}: {text[:1000]}")
-                if resp.content_type == "application/json":
-                    body = await resp.json()
-                    if isinstance(body, dict) and body.get("success") is False:
-                        raise EngineError(f"{url}: {body.get('message')}")
-                    return body
-                return text
-        except aiohttp.ClientError as e:
-            raise EngineError(f"{url}: {type(e).__name__}: {e}") from e
-        except asyncio.TimeoutError as e:
-            raise EngineError(f"{url}: no answer within {self.timeout.total} s") from e
+                raw = await resp.read()
+                status, content_type = resp.status, resp.content_type
+        except asyncio.TimeoutError as e:  # first: aiohttp's timeouts are ClientErrors too
+            raise EngineTimeout(f"{url}: no answer within {self.timeout.total} s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            raise EngineUnreachable(f"{url}: {type(e).__name__}: {e}") from e
+        text = raw.decode("utf-8", errors="replace")
+        if status == 401:
+            raise EngineError(f"{url}: HTTP 401: the engine wants an API key and this client sent "
+                              f"{'a different one' if self._api_key else 'none'} ({self._key_source})")
+        if status != 200:
+            raise EngineError(f"{url}: HTTP {status}: {text[:1000]}")
+        if content_type != "application/json":
+            return text
+        try:
+            body = json.loads(raw)
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise MalformedReply(f"{url}: the answer is not valid JSON ({e}): {text[:200]!r}") from None
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"{url}: {body.get('message')}")
+        return body
+
+    async def _get_object(self, path: str) -> dict:
+        """GET a route that answers a JSON object (a MalformedReply otherwise)."""
+        body = await self._call(path, method="GET")
+        if not isinstance(body, dict):
+            raise MalformedReply(f"{self.base_url}{path}: the answer is not a JSON object: {str(body)[:200]!r}")
+        return body
 
     async def close(self) -> None:
         if self._session is not None:
@@ -104,7 +121,7 @@ class SGLangClient(Engine):
     # -- generation -----------------------------------------------------------------------------
     async def _moe_shape(self) -> tuple[int, int]:
         if self.moe_shape is None:
-            info = await self._call("/get_model_info", method="GET")
+            info = await self._get_object("/get_model_info")
             if not info.get("num_moe_layers"):
                 raise EngineError(
                     f"{self.base_url}: cannot decode routed_experts without (MoE layers, top_k); "
@@ -130,34 +147,45 @@ class SGLangClient(Engine):
         body = await self._call("/generate", payload)
         return await self._parse_generate(request, body)
 
-    async def _parse_generate(self, request: GenerateRequest, body: dict) -> GenerateResult:
+    async def _parse_generate(self, request: GenerateRequest, body: Any) -> GenerateResult:
+        """The /generate answer, checked field by field: anything that does not fit is a MalformedReply."""
         where = f"{self.base_url}/generate"
+        if not isinstance(body, dict):
+            raise MalformedReply(f"{where}: the answer is a JSON {type(body).__name__}, not an object")
         meta = body.get("meta_info") or {}
+        if not isinstance(meta, dict):
+            raise MalformedReply(f"{where}: meta_info is a {type(meta).__name__}, not an object")
         output_ids = body.get("output_ids")
         if not isinstance(output_ids, list):
-            raise EngineError(f"{where}: response has no output_ids (is the server started with --skip-tokenizer-init?)")
+            raise MalformedReply(f"{where}: response has no output_ids (is the server started with --skip-tokenizer-init?)")
+        if not all(_is_int(t) for t in output_ids):
+            raise MalformedReply(f"{where}: output_ids must be a list of integers")
         logprobs = None
         if request.return_logprob:
-            rows = meta.get("output_token_logprobs")
-            if rows is None or len(rows) != len(output_ids):
-                raise EngineError(f"{where}: {len(rows or [])} output_token_logprobs for {len(output_ids)} output ids")
-            if [int(r[1]) for r in rows] != [int(t) for t in output_ids]:
-                raise EngineError(f"{where}: output_token_logprobs token ids differ from output_ids")
-            logprobs = [float(r[0]) for r in rows]
+            logprobs = _output_logprobs(where, meta.get("output_token_logprobs"), output_ids)
         experts = None
         if request.return_routed_experts:
             if "routed_experts" not in meta:
-                raise EngineError(f"{where}: no routed_experts in meta_info (start SGLang with --enable-return-routed-experts)")
+                raise MalformedReply(f"{where}: no routed_experts in meta_info "
+                                     "(start SGLang with --enable-return-routed-experts)")
             layers, top_k = await self._moe_shape()
             rows = len(request.input_ids) + len(output_ids) - 1 - request.routed_experts_start_len
             experts = decode_routed_experts(meta["routed_experts"], layers, top_k, expected_rows=rows)
+        try:
+            finish = FinishReason.from_json(meta.get("finish_reason"))
+        except ValueError as e:
+            raise MalformedReply(f"{where}: {e}") from None
+        counts = {k: meta.get(k, d) for k, d in (("prompt_tokens", len(request.input_ids)), ("cached_tokens", 0))}
+        bad = [k for k, v in counts.items() if not _is_int(v)]
+        if bad:
+            raise MalformedReply(f"{where}: meta_info.{bad[0]} must be an integer, got {counts[bad[0]]!r:.40}")
         return GenerateResult(
-            output_ids=[int(t) for t in output_ids],
+            output_ids=list(output_ids),
             output_logprobs=logprobs,
-            finish_reason=FinishReason.from_json(meta.get("finish_reason")),
+            finish_reason=finish,
             weight_version=str(meta.get("weight_version", "default")),
-            prompt_tokens=int(meta.get("prompt_tokens", len(request.input_ids))),
-            cached_tokens=int(meta.get("cached_tokens", 0)),
+            prompt_tokens=counts["prompt_tokens"],
+            cached_tokens=counts["cached_tokens"],
             routed_experts_NLK=experts,
         )
 
@@ -165,7 +193,7 @@ class SGLangClient(Engine):
     async def _tensor_format(self) -> str:
         """'auto': ask the server once; the local CPU engine names itself in /get_model_info."""
         if self.tensor_format == "auto":
-            info = await self._call("/get_model_info", method="GET")
+            info = await self._get_object("/get_model_info")
             self.tensor_format = LOCAL_TENSOR_FORMAT if info.get("engine") == LOCAL_ENGINE_NAME else "sglang"
         return self.tensor_format
 
@@ -235,7 +263,7 @@ class SGLangClient(Engine):
         """The local CPU engine's held bytes ({weights, kv_cache}); None for SGLang, which has no such endpoint."""
         if await self._tensor_format() != LOCAL_TENSOR_FORMAT:
             return None
-        return await self._call("/local/memory", method="GET")
+        return await self._get_object("/local/memory")
 
     # -- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> None:
@@ -260,16 +288,43 @@ class SGLangClient(Engine):
         except EngineError:
             return False
 
+    async def health_generate(self) -> None:
+        """SGLang's heartbeat: GET /health_generate answers 200 once the scheduler produces output (its own
+        one-token request, or any running one); raises EngineError otherwise (rollout/health.py times it)."""
+        await self._call("/health_generate", method="GET")
+
     async def get_model_info(self) -> ModelInfo:
-        info = await self._call("/get_model_info", method="GET")
+        info = await self._get_object("/get_model_info")
         version = info.get("weight_version")
         if version is None:
-            version = (await self._call("/get_weight_version", method="GET")).get("weight_version", "default")
+            version = (await self._get_object("/get_weight_version")).get("weight_version", "default")
         return ModelInfo(
             model_path=str(info.get("model_path")), weight_version=str(version),
             is_generation=bool(info.get("is_generation", True)),
             num_moe_layers=int(info.get("num_moe_layers") or 0), moe_top_k=int(info.get("moe_top_k") or 0),
         )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _output_logprobs(where: str, rows: Any, output_ids: list[int]) -> list[float]:
+    """SGLang's `output_token_logprobs` rows [logprob, token id, text]: one per output id, same ids, finite logprobs."""
+    if not isinstance(rows, list) or len(rows) != len(output_ids):
+        n = len(rows) if isinstance(rows, list) else 0
+        raise MalformedReply(f"{where}: {n} output_token_logprobs for {len(output_ids)} output ids")
+    for i, r in enumerate(rows):
+        if not (isinstance(r, list) and len(r) >= 2 and isinstance(r[0], (int, float)) and not isinstance(r[0], bool)
+                and _is_int(r[1])):
+            raise MalformedReply(f"{where}: output_token_logprobs[{i}] must be [logprob, token id, ...], got {r!r:.60}")
+    if [r[1] for r in rows] != output_ids:
+        raise MalformedReply(f"{where}: output_token_logprobs token ids differ from output_ids")
+    logprobs = [float(r[0]) for r in rows]
+    bad = next((i for i, lp in enumerate(logprobs) if not math.isfinite(lp)), None)
+    if bad is not None:
+        raise MalformedReply(f"{where}: output_token_logprobs[{bad}] is {logprobs[bad]} (logprobs must be finite)")
+    return logprobs
 
 
 # --- processes ------------------------------------------------------------------------------------

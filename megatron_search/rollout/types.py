@@ -132,8 +132,14 @@ class FinishReason:
             return cls("abort", message="engine returned no finish_reason")
         if isinstance(d, str):  # some SGLang versions/paths send a bare string
             return cls(d if d in ("stop", "length", "abort") else "abort", message=None if d in ("stop", "length") else d)
-        matched = d.get("matched")
-        return cls(d["type"], matched=matched if isinstance(matched, int) else None, message=d.get("message"))
+        if not isinstance(d, dict) or not isinstance(d.get("type"), str):
+            raise ValueError(f"finish_reason must be a string or an object with a string 'type', got {d!r:.100}")
+        kind, matched, message = d["type"], d.get("matched"), d.get("message")
+        message = None if message is None else str(message)
+        if kind not in ("stop", "length", "abort"):  # an unknown kind is treated like an abort, as a bare string is
+            kind, message = "abort", f"finish_reason type {kind!r}" + (f": {message}" if message else "")
+        return cls(kind, matched=matched if isinstance(matched, int) and not isinstance(matched, bool) else None,
+                   message=message)
 
 
 @dataclass
@@ -182,6 +188,7 @@ class Rollout:
     routed_experts_NLK: Optional[np.ndarray] = None
     messages: list[dict] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    search_failures: dict[str, int] = field(default_factory=dict)  # failed executions by class (search/tool.py)
 
     @property
     def num_model_tokens(self) -> int:
@@ -201,6 +208,8 @@ class Rollout:
         n = len(self.token_ids)
         if len(self.logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(f"rollout: {n} ids but {len(self.logprobs)} logprobs and {len(self.loss_mask)} mask entries")
+        if not all(math.isfinite(lp) for lp in self.logprobs):
+            raise ValueError("rollout: logprobs must be finite (an engine sent NaN or infinity)")
         if self.segments and (self.segments[0].start != 0 or self.segments[-1].end != n):
             raise ValueError("rollout: segments must cover the transcript from 0 to len(token_ids)")
         for a, b in zip(self.segments, self.segments[1:]):

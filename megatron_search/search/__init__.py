@@ -5,9 +5,9 @@ Entry points: `build_backend(cfg.search)` and `SearchTool.from_config(cfg.search
 """
 from __future__ import annotations
 
-from .base import SearchBackend, SearchBackendError, SearchResult, read_api_key
-from .tool import (BROKEN_KINDS, SEARCH_WEB, SearchTool, ToolCall, ToolResult, ToolSession, ToolStats,
-                   format_results)
+from .base import SearchBackend, SearchBackendError, SearchResult, SearchTimeout, read_api_key
+from .tool import (BROKEN_KINDS, SEARCH_FAILURE_KINDS, SEARCH_WEB, SearchTool, ToolCall, ToolResult, ToolSession,
+                   ToolStats, format_results)
 
 
 def build_backend(cfg) -> SearchBackend:
@@ -19,9 +19,11 @@ def build_backend(cfg) -> SearchBackend:
     if cfg.backend == "searxng":
         from .searxng import SearxngBackend
 
-        return SearxngBackend(cfg.url, cfg.timeout_s, cfg.retries, cfg.retry_backoff_s, cfg.api_key_env)
+        return SearxngBackend(cfg.url, cfg.timeout_s, cfg.retries, cfg.retry_backoff_s, cfg.api_key_env,
+                              cfg.max_connections)
     raise ValueError(f"search.backend: unknown backend {cfg.backend!r} (expected 'local' or 'searxng')")
 
 
-__all__ = ["BROKEN_KINDS", "SEARCH_WEB", "SearchBackend", "SearchBackendError", "SearchResult", "SearchTool",
-           "ToolCall", "ToolResult", "ToolSession", "ToolStats", "build_backend", "format_results", "read_api_key"]
+__all__ = ["BROKEN_KINDS", "SEARCH_FAILURE_KINDS", "SEARCH_WEB", "SearchBackend", "SearchBackendError", "SearchResult",
+           "SearchTimeout", "SearchTool", "ToolCall", "ToolResult", "ToolSession", "ToolStats", "build_backend",
+           "format_results", "read_api_key"]

@@ -29,6 +29,10 @@ class SearchBackendError(RuntimeError):
     """The backend could not answer (timeout, HTTP error, bad payload, missing index)."""
 
 
+class SearchTimeout(SearchBackendError):
+    """The backend did not answer in time (every attempt timed out, or the tool's call deadline passed)."""
+
+
 class SearchBackend(ABC):
     """A search engine behind the `search_web` tool."""
 

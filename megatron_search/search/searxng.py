@@ -8,12 +8,13 @@ key lives only in the request headers, never in repr, logs or error messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import abstractmethod
 from typing import Any, Optional
 
 import aiohttp
 
-from .base import SearchBackend, SearchBackendError, SearchResult, read_api_key
+from .base import SearchBackend, SearchBackendError, SearchResult, SearchTimeout, read_api_key
 
 # Status codes worth retrying: rate limiting and server-side failures.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
@@ -25,15 +26,19 @@ class HTTPSearchBackend(SearchBackend):
     name = "http"
 
     def __init__(self, base_url: str, timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.5,
-                 api_key_env: Optional[str] = None):
+                 api_key_env: Optional[str] = None, max_connections: int = 100):
+        if max_connections < 1:
+            raise ValueError(f"{type(self).__name__}: max_connections must be >= 1, got {max_connections}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.max_connections = max_connections  # requests in flight; more wait for a slot before their timeout starts
         self.retries = retries
         self.backoff_s = backoff_s
         self.api_key_env = api_key_env
         self._api_key = read_api_key(api_key_env)
         self._session: Optional[aiohttp.ClientSession] = None
         self._session_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._slots: Optional[asyncio.Semaphore] = None
 
     def __repr__(self) -> str:  # never shows the key itself
         return f"{type(self).__name__}(base_url={self.base_url!r}, api_key_env={self.api_key_env!r})"
@@ -51,48 +56,53 @@ class HTTPSearchBackend(SearchBackend):
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            self._session = aiohttp.ClientSession()
+            # the pool is unbounded; `_slots` bounds requests in flight, so time spent queued is not in the timeout
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._session_loop = loop
+            self._slots = asyncio.Semaphore(self.max_connections)
         return self._session
 
-    async def _once(self, session: aiohttp.ClientSession, query: str, k: int) -> tuple[Optional[list], str, bool]:
-        """One attempt: (results or None, error text, retryable)."""
+    async def _once(self, session: aiohttp.ClientSession, slots, query: str, k: int
+                    ) -> tuple[Optional[list], str, bool, bool]:
+        """One attempt once a slot is free: (results or None, error text, retryable, timed out)."""
         url, params, headers = self.request(query, k)
         try:
-            async with session.get(url, params=params, headers=headers,
+            async with slots, session.get(url, params=params, headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
                 if resp.status != 200:
-                    return None, f"HTTP {resp.status}", resp.status in _RETRY_STATUS
+                    return None, f"HTTP {resp.status}", resp.status in _RETRY_STATUS, False
                 try:
                     payload = await resp.json(content_type=None)
                 except (ValueError, aiohttp.ContentTypeError):
-                    return None, "reply is not JSON", False
+                    return None, "reply is not JSON", False, False
         except asyncio.TimeoutError:
-            return None, f"timed out after {self.timeout_s:g} s", True
+            return None, f"timed out after {self.timeout_s:g} s", True, True
         except aiohttp.ClientError as e:
-            return None, f"connection failed ({type(e).__name__})", True
-        return self.parse(payload, k), "", False
+            return None, f"connection failed ({type(e).__name__})", True, False
+        return self.parse(payload, k), "", False, False
 
-    async def _search_with(self, session: aiohttp.ClientSession, query: str, k: int) -> list[SearchResult]:
-        error = ""
+    async def _search_with(self, session: aiohttp.ClientSession, slots, query: str, k: int) -> list[SearchResult]:
+        error, timed_out = "", False
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            results, error, retryable = await self._once(session, query, k)
+            results, error, retryable, timed_out = await self._once(session, slots, query, k)
             if results is not None:
                 return results[:k]
             if not retryable:
                 break
-        raise SearchBackendError(f"{self.name} search at {self.base_url} failed: {error} ({attempt + 1} attempt(s))")
+        error_cls = SearchTimeout if timed_out else SearchBackendError  # the last attempt decides the class
+        raise error_cls(f"{self.name} search at {self.base_url} failed: {error} ({attempt + 1} attempt(s))")
 
     async def asearch(self, query: str, k: int) -> list[SearchResult]:
-        return await self._search_with(self._client(), query, k)
+        session = self._client()
+        return await self._search_with(session, self._slots, query, k)
 
     def search(self, query: str, k: int) -> list[SearchResult]:
         """Blocking search for code outside an event loop (own short-lived connection pool)."""
         async def run() -> list[SearchResult]:
             async with aiohttp.ClientSession() as session:
-                return await self._search_with(session, query, k)
+                return await self._search_with(session, contextlib.nullcontext(), query, k)
         return asyncio.run(run())
 
     async def aclose(self) -> None:

@@ -9,6 +9,8 @@ Accounting per rollout (docs/SEARCH.md has the full table):
   one unit of the budget.
 - `failed` (e_i) counts executions that failed in the environment (backend timeout, HTTP or
   index error). Those never cost the policy an effective call (c~_i = c_i - e_i).
+  `failed_kinds` splits them by class (SEARCH_FAILURE_KINDS): search_timeout (the backend timed
+  out, or the call ran past the tool's `call_timeout_s`) and search_error (anything else).
 - `broken[kind]` counts model-caused failures, one class per call, checked in this order:
   malformed, tool_choice_none, over_budget, unknown_tool, bad_arguments (an over-long or
   empty query is bad_arguments). They stay in c~_i and appear in the broken-tool-calls metric.
@@ -22,12 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .base import SearchBackend, SearchBackendError, SearchResult
+from .base import SearchBackend, SearchBackendError, SearchResult, SearchTimeout
 
 log = logging.getLogger(__name__)
 
 SEARCH_WEB = "search_web"
 BROKEN_KINDS = ("malformed", "tool_choice_none", "over_budget", "unknown_tool", "bad_arguments")
+SEARCH_FAILURE_KINDS = ("search_timeout", "search_error")
 ToolChoice = Literal["auto", "required", "none"]
 
 
@@ -61,6 +64,7 @@ class ToolStats:
     failed: int = 0
     broken: dict[str, int] = field(default_factory=lambda: {k: 0 for k in BROKEN_KINDS})
     queries: list[str] = field(default_factory=list)
+    failed_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SEARCH_FAILURE_KINDS, 0))
 
     @property
     def broken_total(self) -> int:
@@ -73,7 +77,8 @@ class ToolStats:
 
     def as_dict(self) -> dict:
         return {"calls": self.calls, "failed": self.failed, "effective_calls": self.effective_calls,
-                "broken_total": self.broken_total, **{f"broken_{k}": v for k, v in self.broken.items()}}
+                "broken_total": self.broken_total, **{f"broken_{k}": v for k, v in self.broken.items()},
+                **self.failed_kinds}
 
 
 def format_results(query: str, results: list[SearchResult]) -> str:
@@ -89,13 +94,17 @@ class SearchTool:
 
     name = SEARCH_WEB
 
-    def __init__(self, backend: SearchBackend, max_results: int = 10, max_query_chars: int = 250, max_calls: int = 5):
+    def __init__(self, backend: SearchBackend, max_results: int = 10, max_query_chars: int = 250, max_calls: int = 5,
+                 call_timeout_s: Optional[float] = None):
         if max_results <= 0 or max_query_chars <= 0 or max_calls < 0:
             raise ValueError("SearchTool: max_results and max_query_chars must be > 0, max_calls >= 0")
+        if call_timeout_s is not None and not 0 < call_timeout_s < float("inf"):
+            raise ValueError(f"SearchTool: call_timeout_s must be positive seconds or None, got {call_timeout_s}")
         self.backend = backend
         self.max_results = max_results
         self.max_query_chars = max_query_chars
         self.max_calls = max_calls
+        self.call_timeout_s = call_timeout_s  # a whole call, retries included; None = only the backend's own limits
 
     @classmethod
     def from_config(cls, cfg, backend: Optional[SearchBackend] = None) -> "SearchTool":
@@ -104,7 +113,7 @@ class SearchTool:
             from . import build_backend
 
             backend = build_backend(cfg)
-        return cls(backend, cfg.max_results, cfg.max_query_chars, cfg.max_calls)
+        return cls(backend, cfg.max_results, cfg.max_query_chars, cfg.max_calls, cfg.call_timeout_s)
 
     @property
     def spec(self) -> dict:
@@ -197,19 +206,27 @@ class ToolSession:
 
     async def _run(self, query: str) -> ToolResult:
         start = time.perf_counter()
+        limit = self.tool.call_timeout_s
         try:
-            results = await self.tool.backend.asearch(query, self.tool.max_results)
+            results = await asyncio.wait_for(self.tool.backend.asearch(query, self.tool.max_results), limit)
+        except SearchTimeout as e:
+            return self._failure(f"{e}", start, "search_timeout")
         except SearchBackendError as e:
-            return self._failure(f"{e}", start)
+            return self._failure(f"{e}", start, "search_error")
+        except asyncio.TimeoutError as e:  # the call deadline, or a backend's own unwrapped timeout
+            own = limit is None or time.perf_counter() - start < limit
+            return self._failure(f"{type(e).__name__}" if own else f"no answer within {limit:g} s", start,
+                                 "search_timeout")
         except Exception as e:  # a backend bug must not kill the rollout; it is still an environment failure
             log.warning("search backend %s raised %s: %s", self.tool.backend.name, type(e).__name__, e)
-            return self._failure(type(e).__name__, start)
+            return self._failure(type(e).__name__, start, "search_error")
         results = list(results)[: self.tool.max_results]
         return ToolResult(format_results(query, results), True, results=tuple(results),
                           latency_s=time.perf_counter() - start)
 
-    def _failure(self, reason: str, start: float) -> ToolResult:
+    def _failure(self, reason: str, start: float, kind: str) -> ToolResult:
         self.stats.failed += 1
+        self.stats.failed_kinds[kind] += 1
         return ToolResult(f"Error: the search failed ({reason}). You may retry or answer with what you know.",
                           ok=False, failed=True, latency_s=time.perf_counter() - start)
 

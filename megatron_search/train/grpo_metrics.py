@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_search.search.tool import SEARCH_FAILURE_KINDS
+
 
 def rollout_metrics(col, scores, rewards, adv: torch.Tensor) -> dict[str, float]:
     kinds = [it.kind for it in col.items]
@@ -15,6 +17,8 @@ def rollout_metrics(col, scores, rewards, adv: torch.Tensor) -> dict[str, float]
     out["rollout/tool_calls"] = float(calls.mean())
     out["rollout/effective_calls"] = float((scores.tool_calls - scores.failed_calls).float().mean())
     out["rollout/broken_calls"] = sum(sum(r.broken_calls.values()) for r in col.rollouts) / len(col.rollouts)
+    for kind in SEARCH_FAILURE_KINDS:  # failed executions by class (rollout/search_timeouts, rollout/search_errors)
+        out[f"rollout/{kind}s"] = sum(r.search_failures.get(kind, 0) for r in col.rollouts) / len(col.rollouts)
     out["rollout/response_tokens"] = float(scores.lengths.mean())
     out["rollout/no_answer"] = sum(r.final_answer is None for r in col.rollouts) / len(col.rollouts)
     out["reward/R"] = float(rewards.reward.mean())
