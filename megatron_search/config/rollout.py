@@ -76,6 +76,28 @@ class LocalEngineConfig(Section):
     startup_timeout_s: PositiveFloat = Field(120.0, description="health wait after launching the server process")
 
 
+class EngineHealthConfig(Section):
+    """Engine heartbeats and recovery in the GRPO rollout driver (issue 25.1; docs/ROLLOUT.md, "Failure model")."""
+
+    heartbeat_interval_s: PositiveFloat = Field(
+        10.0, description="seconds between heartbeats (GET /health_generate) of every serving engine while rollouts run")
+    heartbeat_timeout_s: PositiveFloat = Field(
+        30.0, description="a heartbeat not answered within this marks the engine down (SGLang's /health_generate "
+        "itself waits up to 20 s for its scheduler)")
+    max_attempts: PositiveInt = Field(
+        3, description="engines one rollout may be tried on: a rollout whose engine went down runs again, same task "
+        "and seed, on a live engine; after this many it is lost")
+    max_restarts: NonNegativeInt = Field(
+        3, description="restarts per engine and run of the engines this job started; past it the engine stays down")
+    reattach_timeout_s: PositiveFloat = Field(
+        10.0, description="engines attached by rollout.engine_urls: how long each weight update waits for a down one "
+        "to answer /health again (they are not ours to restart)")
+    max_lost_capacity: float = Field(
+        0.25, ge=0.0, le=1.0, description="the run stops with an error and a checkpoint of the step's start when a "
+        "step loses more than this share of its rollouts, or more than this share of the engines stays down after "
+        "its recovery (restart limit reached, restart failed, attached engine not back)")
+
+
 class RolloutConfig(Section):
     engine: Literal["local", "sglang"] = "local"
     mode: Literal["colocated", "disaggregated"] = "colocated"
@@ -120,3 +142,4 @@ class RolloutConfig(Section):
     )
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
     local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
+    health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)

@@ -12,6 +12,7 @@ so later processes and clients of this one share it) through the environment (ro
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,17 @@ class RolloutEngines:
     clients: list[SGLangClient]  # one per server: weight updates, flush, pause go to all of them
     servers: list[ServerProcess] = field(default_factory=list)
     router: Optional[SGLangClient] = None  # sglang-router in front of the servers, when configured
+    restart_timeout_s: float = 120.0  # health wait of a restarted server (rollout.local / rollout.sglang startup)
+
+    def started(self, i: int) -> bool:
+        """Whether this job started engine i's server (it can be restarted) or only attached to it."""
+        return i < len(self.servers) and self.servers[i].url == self.clients[i].base_url
+
+    def restart(self, i: int) -> None:
+        """Blocking: engine i's server killed (what is left of it) and started again at the same URL."""
+        if not self.started(i):
+            raise ValueError(f"engine {i} ({self.clients[i].base_url}) was attached, not started by this job")
+        self.servers[i].restart(self.restart_timeout_s)
 
     def for_generation(self) -> list[SGLangClient]:
         """Where to send /generate: the router if there is one, else every server (spread by the caller)."""
@@ -64,17 +76,13 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
         tmp = config_path.with_suffix(".tmp")
         tmp.write_text(dump_config(cfg))
         os.replace(tmp, config_path)
-        servers: list[ServerProcess] = []
-        try:
-            for i in range(r.num_engines):
-                servers.append(launch_local_server(str(config_path), [], out / f"local_engine_{i}.log",
-                                                   r.local.startup_timeout_s, host=r.local.host, api_key=key,
-                                                   api_key_env=r.api_key_env))
-        except BaseException:
-            for s in servers:
-                s.stop()
-            raise
-        return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
+        def launch(i: int) -> ServerProcess:
+            return launch_local_server(str(config_path), [], out / f"local_engine_{i}.log", r.local.startup_timeout_s,
+                                       host=r.local.host, api_key=key, api_key_env=r.api_key_env)
+
+        servers = _launch_together(launch, r.num_engines)
+        return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers,
+                              restart_timeout_s=r.local.startup_timeout_s)
     servers = launch_sglang_servers(cfg, out)
     if r.sglang.use_router and len(servers) > 1:
         try:
@@ -86,7 +94,22 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
             raise
         clients = [SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp, api_key=key) for s in servers]
         return RolloutEngines(clients, servers + [router],
-                              SGLangClient(router.url, timeout, moe_shape, "sglang", api_key=key))
+                              SGLangClient(router.url, timeout, moe_shape, "sglang", api_key=key),
+                              restart_timeout_s=r.sglang.startup_timeout_s)
     return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp, api_key=key)
-                           for s in servers], servers)
+                           for s in servers], servers, restart_timeout_s=r.sglang.startup_timeout_s)
 
+
+def _launch_together(launch, n: int) -> list[ServerProcess]:
+    """launch(0..n-1) at once (each blocks until its server is healthy; they load their models side by side);
+    if any fails, the others are stopped and the first error raised."""
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(launch, i) for i in range(n)]
+        wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]

@@ -310,7 +310,18 @@ async def health(request: web.Request, engine: LocalEngine) -> web.Response:
 
 @handler
 async def health_generate(request: web.Request, engine: LocalEngine) -> web.Response:
-    await engine.generate(GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), return_logprob=False))
+    """SGLang's rule: healthy once the engine produces output after the probe came in, its own one-token request
+    or the next step of the running ones (a busy engine answers at its next step, not after its queue)."""
+    steps = engine.steps
+    probe = asyncio.ensure_future(engine.generate(
+        GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), return_logprob=False)))
+    try:
+        while not probe.done() and engine.steps == steps:
+            await asyncio.wait({probe}, timeout=0.05)
+        if probe.done():
+            probe.result()  # its error, if it failed
+    finally:
+        probe.cancel()  # still queued: it runs its one token later, unobserved
     return web.Response(text="")
 
 

@@ -334,11 +334,30 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], log_path: str | Path, env: Optional[dict] = None):
         self.argv = argv
+        self.env = env
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.url: Optional[str] = None
+        self._start()
+
+    def _start(self) -> None:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+
+    def restart(self, timeout_s: float) -> str:
+        """Kill what is left of the server (its whole process group: SGLang's scheduler processes too) and run the
+        same command again, appending to the same log; wait until it is healthy at the same URL."""
+        if self.url is None:
+            raise EngineError(f"server (log {self.log_path}) never became healthy: there is no URL to restart it at")
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+        self._start()
+        return self.wait_healthy(self.url, timeout_s)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -499,5 +518,6 @@ def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] =
             raise EngineError(f"local engine server did not start (log {log_path}):\n{server.log_tail()}")
         time.sleep(0.1)
     port = int(port_file.read_text())
+    server.argv[server.argv.index("--port") + 1] = str(port)  # a restart (ServerProcess.restart) keeps the URL
     server.wait_healthy(f"http://{host}:{port}", max(1.0, deadline - time.monotonic()))
     return server

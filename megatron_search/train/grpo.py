@@ -36,6 +36,7 @@ def run_grpo(cfg) -> dict[str, float]:
         while not run.finished():
             step = run.begin_step()
             rollouts = run.rollouts(step) if run.is_driver else None         # G per prompt + reference answers
+            run.check_capacity(step)                                          # too many lost: checkpoint, stop
             s = run.preference_scores(step, rollouts)                         # the reward model, every rank
             batch = None
             if run.is_driver:

@@ -15,6 +15,9 @@ each side holds, and timed as time/release_s, time/resume_s, time/offload_s):
             the parameters leave at the next rollout phase
 A step without signal trains nothing; its engines still come back before the push. The reward model
 (as large as the policy, RECIPE 1, on the training ranks) is resident only while it scores.
+Engines that are down (rollout/health.py) are skipped; memory comes back only to the engine processes
+that released it (a restarted engine holds its own), and an engine that fails a release or resume is
+marked down, to be restarted before the push (train/grpo_run.py push_weights).
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from megatron_search.rollout.engine import EngineError
+from megatron_search.rollout.health import DOWN
 
 from .offload import StateOffloader
 
@@ -34,7 +40,7 @@ class ColocatedCycle:
         self.rm = StateOffloader(list(reward_model_chunks), None)  # parameters only: it never trains here
         self.driver, self.is_driver = driver, is_driver
         self.log = out_dir / "colocate_phases.jsonl"
-        self.released = False
+        self.released: dict[int, int] = {}  # engine -> incarnation of the process that released its memory
         self.metrics: dict[str, float] = {}
 
     @property
@@ -57,8 +63,7 @@ class ColocatedCycle:
         if not self.enabled:
             return
         with self._timed("time/release_s"):
-            self._engines("release_memory_occupation", ["weights", "kv_cache"])
-        self.released = True
+            self.released = self._engines("release_memory_occupation", ["weights", "kv_cache"], self._serving())
         with self._timed("time/offload_s"):
             self.rm.reload(("params",))
         self._record(step, "scoring")
@@ -83,7 +88,7 @@ class ColocatedCycle:
             self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
         if self.released:
             with self._timed("time/resume_s"):
-                self._engines("resume_memory_occupation", ["weights"])
+                self._engines("resume_memory_occupation", ["weights"], self._same_process(self.released))
         self._record(step, "sync")
 
     def after_sync(self, step: int) -> None:
@@ -92,8 +97,8 @@ class ColocatedCycle:
             return
         if self.released:
             with self._timed("time/resume_s"):
-                self._engines("resume_memory_occupation", ["kv_cache"])
-            self.released = False
+                self._engines("resume_memory_occupation", ["kv_cache"], self._same_process(self.released))
+            self.released = {}
         self._record(step, "resumed")
 
     def ensure_resident(self) -> None:
@@ -111,21 +116,53 @@ class ColocatedCycle:
         finally:
             self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - t0
 
-    def _engines(self, method: str, tags: list[str]) -> None:
+    def _serving(self) -> dict[int, int]:
+        """{engine: incarnation} of the engines up now (driver; other ranks hold no engines)."""
         if not self.is_driver:
-            return
+            return {}
+        h = self.driver.health
+        return {i: h.incarnation[i] for i in h.serving()}
+
+    def _same_process(self, engines: dict[int, int]) -> dict[int, int]:
+        """Those of `engines` still up in the same process (not down, not restarted since)."""
+        if not self.is_driver:
+            return {}
+        h = self.driver.health
+        return {i: n for i, n in engines.items() if h.state[i] != DOWN and h.incarnation[i] == n}
+
+    def _engines(self, method: str, tags: list[str], engines: dict[int, int]) -> dict[int, int]:
+        """`method(tags)` on these engines (driver only); one that fails is marked down. Returns those that did it."""
+        if not self.is_driver:
+            return {}
 
         async def call():
-            await asyncio.gather(*(getattr(e, method)(tags) for e in self.driver.engines))
+            return await asyncio.gather(*(getattr(self.driver.engines[i], method)(tags) for i in engines),
+                                        return_exceptions=True)
 
-        self.driver.run(call())
+        done = {}
+        for (i, n), r in zip(engines.items(), self.driver.run(call())):
+            if isinstance(r, EngineError):
+                self.driver.health.mark_down(i, f"{method} failed: {r}")
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                done[i] = n
+        return done
 
     def _record(self, step: int, phase: str) -> None:
         if not self.is_driver:
             return
 
+        async def held(i: int):  # None: SGLang (no such route), or an engine that is down
+            if self.driver.health.state[i] == DOWN:
+                return None
+            try:
+                return await self.driver.engines[i].local_memory()
+            except EngineError:
+                return None
+
         async def memory():
-            return [await e.local_memory() for e in self.driver.engines]
+            return [await held(i) for i in range(len(self.driver.engines))]
 
         engines = self.driver.run(memory())
         row = {"step": step, "phase": phase, "trainer_bytes": self.offloader.resident_bytes(),

@@ -9,6 +9,13 @@ engine servers or SGLang servers, optionally behind sglang-router): every one is
 the same API. Rollouts are spread over the generation endpoints round-robin by task; weight
 updates go to every server.
 
+Engine failures (issue 25.1; docs/ROLLOUT.md, "Failure model"): rollout/health.py keeps each
+engine's state and heartbeats, rollout/dispatch.py runs every job (training rollouts, reference
+answers, held-out evaluation) so that it ends in the results once or is counted lost; a rollout whose
+engine went down runs again on a live engine with the same task and seed. Down engines are restarted
+(or waited for) at `recover_engines`, before each weight update, and serve again once it reached them.
+Every training rollout's attempts go to <output_dir>/rollout_dispatch.jsonl.
+
 Reference answers (RECIPE 5.1: s compares each rollout with the reference model's answer to the
 same prompt; 5.2: its length anchors the rollout's) are G per prompt: rollout k of a group is
 compared with reference sample k (its own seed), so the group's reference lengths vary and every
@@ -22,6 +29,7 @@ from the cache later is an error (the engines have moved on).
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -33,7 +41,9 @@ from megatron_search.data.mix import MixItem
 from megatron_search.data.rubrics import RubricJudge
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.dispatch import Dispatcher, JobResult
 from megatron_search.rollout.engine import Engine
+from megatron_search.rollout.health import EngineHealth
 from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.rollout.types import Rollout
 from megatron_search.search.tool import SearchTool
@@ -53,7 +63,8 @@ class Collected:
     rollouts: list[Rollout]
     group_ids: list[int]
     samples: list[int]  # k of each rollout within its group (0..G-1, kept when others failed)
-    failed: int  # rollouts lost to engine errors (their groups are ragged)
+    failed: int  # rollouts lost (their groups are ragged): kept + failed = prompts x G
+    retried: int = 0  # attempts run again on another engine after theirs went down
 
 
 class RolloutDriver:
@@ -65,9 +76,16 @@ class RolloutDriver:
         settings = AgentSettings.for_training(cfg)
         self.rollout_engines = engines  # rollout.launch.RolloutEngines
         self.engines = list(engines.clients)
+        self.health = EngineHealth(engines, cfg.rollout.health)
         self.agents = [SearchAgent(e, self.encoder, self.tool, settings) for e in engines.for_generation()]
         self.reference = None if reference is None else SearchAgent(
             reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
+        # agent i runs on engine i; behind sglang-router (one agent) the router places requests itself
+        engine_of = list(range(len(self.agents))) if engines.router is None else [None]
+        extra = [] if self.reference is None else [self.reference]
+        self.dispatcher = Dispatcher(self.agents + extra, engine_of + [None] * len(extra), self.health,
+                                     cfg.rollout.health.max_attempts, cfg.rollout.concurrency)
+        self.dispatch_log = output_dir / "rollout_dispatch.jsonl"
         self.reference_engine = reference
         self.references_frozen = False  # rollout_engines: the engines no longer hold the initial policy
         from megatron_search.rm.service import ReferenceCache
@@ -80,36 +98,30 @@ class RolloutDriver:
         return self.loop.run_until_complete(coro)
 
     # ------------------------------------------------------------------ rollouts
-    async def _gather(self, agents_and_tasks, desc: str) -> list:
-        gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
-        bar = tqdm(total=len(agents_and_tasks), desc=desc, unit="rollout", leave=False,
-                   disable=not self.cfg.logging.progress_bars)
-
-        async def one(agent: SearchAgent, task: AgentTask):
-            async with gate:
-                try:
-                    return await agent.run(task)
-                except Exception as e:  # an engine failure loses this rollout, not the step
-                    return e
-                finally:
-                    bar.update(1)
-
+    async def _gather(self, jobs: Sequence[tuple[int, AgentTask]], desc: str) -> list[JobResult]:
+        """Every job (agent index, task) run by the dispatcher: its Rollout or why it was lost, in job order."""
+        bar = tqdm(total=len(jobs), desc=desc, unit="rollout", leave=False, disable=not self.cfg.logging.progress_bars)
         try:
-            return await asyncio.gather(*(one(a, t) for a, t in agents_and_tasks))
+            return await self.dispatcher.run(jobs, on_done=lambda _: bar.update(1))
         finally:
             bar.close()
 
+    def _reference_agent(self) -> int:
+        return len(self.agents)
+
     def collect(self, items: Sequence[MixItem], step: int) -> Collected:
-        """G rollouts per item; rollouts whose engine call failed are dropped and counted."""
+        """G rollouts per item; lost ones (rollout/dispatch.py: after any retries) are left out and counted."""
         g = self.cfg.grpo.group_size
         jobs = []
         for j, item in enumerate(items):
             for k in range(g):
                 seed = (self.cfg.run.seed * 1_000_003 + step) * 100_003 + j * g + k
-                agent = self.agents[(j * g + k) % len(self.agents)]
+                agent = (j * g + k) % len(self.agents)
                 jobs.append((agent, AgentTask(item.messages, seed=seed, metadata={"id": item.id, "kind": item.kind})))
-        results = self.run(self._gather(jobs, f"rollouts step {step}"))
-        out = Collected([], [], [], [], 0)
+        done = self.run(self._gather(jobs, f"rollouts step {step}"))
+        self._log_dispatch(step, jobs, done)
+        results = [d.rollout if d.rollout is not None else d.error for d in done]
+        out = Collected([], [], [], [], 0, retried=sum(d.retries for d in done))
         group = -1
         for j, item in enumerate(items):
             kept = [(k, r) for k, r in enumerate(results[j * g:(j + 1) * g]) if isinstance(r, Rollout)]
@@ -121,10 +133,28 @@ class RolloutDriver:
             out.rollouts += [r for _, r in kept]
             out.samples += [k for k, _ in kept]
             out.group_ids += [group] * len(kept)
-        if group < 0:
-            errors = [r for r in results if not isinstance(r, Rollout)]
-            raise RuntimeError(f"every rollout of step {step} failed; first error: {errors[0]!r}")
         return out
+
+    def _log_dispatch(self, step: int, jobs, done: Sequence[JobResult]) -> None:
+        """One line per training rollout: its seed, the engine of each attempt, and whether it was lost (and why)."""
+        engine_of = self.dispatcher.engine_of
+        with open(self.dispatch_log, "a") as f:
+            for j, ((_, task), d) in enumerate(zip(jobs, done)):
+                row = {"step": step, "job": j, "seed": task.seed, "engines": [engine_of[a] for a in d.agents],
+                       "lost": d.rollout is None}
+                if d.rollout is None:
+                    row["error"] = f"{type(d.error).__name__}: {d.error}"[:300]
+                f.write(json.dumps(row) + "\n")
+
+    # ------------------------------------------------------------------ engine recovery
+    def recover_engines(self) -> dict[int, int]:
+        """Before a weight update: down engines restarted (ours) or waited for (attached); {engine: incarnation}
+        of every engine the update must reach."""
+        return self.run(self.health.recover())
+
+    def engines_synced(self, engines) -> None:
+        """The update reached these engines: restarted ones serve again."""
+        self.health.synced(engines)
 
     # ------------------------------------------------------------------ reference answers
     def _generate_references(self, prompts: list[list[dict]], samples: list[int]) -> list[ReferenceAnswer]:
@@ -136,15 +166,15 @@ class RolloutDriver:
                                f"answers every prompt of the run before the first update)")
         seeds = [reference_seed(self.cfg.run.seed, k) for k in samples]
         if self.reference is not None:
-            jobs = [(self.reference, AgentTask(p, seed=s)) for p, s in zip(prompts, seeds)]
+            jobs = [(self._reference_agent(), AgentTask(p, seed=s)) for p, s in zip(prompts, seeds)]
         else:  # the rollout engines, still holding the initial policy
-            jobs = [(self.agents[i % len(self.agents)], AgentTask(p, seed=s))
-                    for i, (p, s) in enumerate(zip(prompts, seeds))]
+            jobs = [(i % len(self.agents), AgentTask(p, seed=s)) for i, (p, s) in enumerate(zip(prompts, seeds))]
         out = []
-        for p, r in zip(prompts, self.run(self._gather(jobs, "reference answers"))):
-            if not isinstance(r, Rollout):
-                raise RuntimeError(f"reference rollout failed for prompt {p[-1].get('content', '')[:80]!r}: {r!r}")
-            out.append(ReferenceAnswer(r.final_answer or "", r.num_model_tokens))
+        for p, d in zip(prompts, self.run(self._gather(jobs, "reference answers"))):
+            if d.rollout is None:
+                raise RuntimeError(f"reference rollout failed for prompt {p[-1].get('content', '')[:80]!r}: "
+                                   f"{d.error!r}")
+            out.append(ReferenceAnswer(d.rollout.final_answer or "", d.rollout.num_model_tokens))
         return out
 
     def pregenerate_references(self, items: Sequence[MixItem], fresh: bool) -> int:
@@ -172,9 +202,10 @@ class RolloutDriver:
         tool calls (calls minus failed executions) and the share without a final answer."""
         from megatron_search.rewards.answer import qa_reward
 
-        jobs = [(self.agents[i % len(self.agents)], AgentTask(it.messages, seed=self.cfg.run.seed * 7_919 + i))
+        jobs = [(i % len(self.agents), AgentTask(it.messages, seed=self.cfg.run.seed * 7_919 + i))
                 for i, it in enumerate(items)]
-        results = self.run(self._gather(jobs, "held-out evaluation"))
+        results = [d.rollout if d.rollout is not None else d.error
+                   for d in self.run(self._gather(jobs, "held-out evaluation"))]
         done = [(it, r) for it, r in zip(items, results) if isinstance(r, Rollout)]
         if not done:
             raise RuntimeError(f"every held-out evaluation rollout failed; first error: {results[0]!r}")

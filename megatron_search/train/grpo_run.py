@@ -4,7 +4,7 @@
 model, the first rank's rollout driver (engines, agents, reference answers, rubric judge), weight
 sync, colocated turns, batch scatter, metrics writer. Each step method does one thing and says
 where it runs:
-  every rank    begin_step, preference_scores, scatter, train, push_weights, end_step, finish
+  every rank    begin_step, check_capacity, preference_scores, scatter, train, push_weights, end_step, finish
   driver only   rollouts, rewards, advantages, filter_and_pack, evaluate (the first rank owns the
                 engines; the others get None and do not call them)
 Per-step metrics gather in `metrics` and are written by end_step.
@@ -75,6 +75,8 @@ class GRPORun:
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
         self.driver = self.sampler = None
+        self.capacity_error: Optional[str] = None  # driver: this step lost more than rollout.health allows
+        self._sampler_at_step_start: dict = {}
         self.eval_items: list = []
         self.metrics: dict[str, float] = {}
         self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
@@ -119,6 +121,20 @@ class GRPORun:
         self.metrics = {}
         self.colocate.to_rollout(step)
         return step
+
+    def check_capacity(self, step: int) -> None:
+        """Stop the run when the step lost more than rollout.health.max_lost_capacity (the driver's verdict, on every
+        rank): a checkpoint of the step's start (the policy untouched, the sampler before this step's prompts, so a
+        resumed run redoes the step) and an error naming the losses."""
+        error = _broadcast(self.capacity_error if self.is_driver else None)
+        if error is None:
+            return
+        if self.is_driver:
+            self.writer.scalars(step, self.metrics)
+        self.colocate.ensure_resident()
+        path = self.trainer.save(extra=_broadcast({"sampler": self._sampler_at_step_start} if self.is_driver else {}))
+        raise LostCapacityError(f"{error}. Checkpoint of step {step}'s start: {path}; bring the engines back (or raise "
+                                f"rollout.health.max_lost_capacity) and resume (checkpoint.resume=true)")
 
     def preference_scores(self, step: int, ro: Optional[StepRollouts]) -> torch.Tensor:
         """s of every rollout against its reference answer, on the reward model's ranks (all of them: it is
@@ -177,8 +193,13 @@ class GRPORun:
             if not (ref_dir / "config.json").is_file():
                 raise FileNotFoundError(f"resume: the reference weights {ref_dir} are missing")
             self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
+        # engines down since the last update come back first (restarted or waited for); the push reaches every live one
+        live = _broadcast(self.driver.recover_engines() if self.is_driver else None)
         stats = self.weight_sync.push(self.trainer.model, cfg.model.architecture, self.ctx.groups,
-                                      version=str(self.trainer.iteration))
+                                      version=str(self.trainer.iteration), live=live)
+        if self.is_driver:
+            self.driver.engines_synced(live)
+            self._engine_metrics()
         if not first and self.trainer.iteration >= cfg.grpo.steps:
             save_hf_weights(self.trainer.model, cfg, self.ctx.groups, self.out / FINAL_WEIGHTS, bucket)
         sent = stats.rank_sent_bytes
@@ -231,14 +252,37 @@ class GRPORun:
                                                                                     fresh=not self.resumed))
             m["time/reference_pregeneration_s"] = time.perf_counter() - t
         t0 = time.perf_counter()
+        self._sampler_at_step_start = self.sampler.state_dict()
         col = self.driver.collect(self.sampler.take(cfg.grpo.prompts_per_step), step)
         t1 = time.perf_counter()
-        refs = self.driver.reference_answers(col.items, col.samples)  # rollout k vs reference sample k
+        refs = self.driver.reference_answers(col.items, col.samples) if col.rollouts else []  # rollout k vs sample k
         m["time/rollout_s"], m["time/reference_s"] = t1 - t0, time.perf_counter() - t1
         m["perf/rollouts_per_s"] = len(col.rollouts) / max(t1 - t0, 1e-9)
         m["perf/rollout_tokens_per_s"] = sum(len(r.token_ids) for r in col.rollouts) / max(t1 - t0, 1e-9)
-        m["rollout/failed"] = float(col.failed)
+        m["rollout/count"] = float(len(col.rollouts))
+        m["rollout/failed"] = m["rollout/lost"] = float(col.failed)
+        m["rollout/retried"] = float(col.retried)
+        self._engine_metrics()
+        self.capacity_error = self._lost_capacity(step, col)
         return StepRollouts(col, refs)
+
+    def _engine_metrics(self) -> None:
+        """Engine events since the last call added to this step's (rollouts and the weight update both report)."""
+        for k, v in self.driver.health.take_counts().items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + v
+        self.metrics.update(self.driver.health.gauges())
+
+    def _lost_capacity(self, step: int, col: Collected) -> Optional[str]:
+        """Why this step must stop the run (rollout.health.max_lost_capacity), or None."""
+        total = len(col.rollouts) + col.failed
+        rollouts, engines = col.failed / max(total, 1), self.driver.health.lost_share()
+        self.metrics["rollout/lost_capacity"] = max(rollouts, engines)
+        limit = self.cfg.rollout.health.max_lost_capacity
+        if col.rollouts and max(rollouts, engines) <= limit:
+            return None
+        return (f"GRPO step {step}: lost capacity over rollout.health.max_lost_capacity={limit:g}: {col.failed} of "
+                f"{total} rollouts lost ({col.retried} retried), {len(self.driver.health.unrecovered)} of "
+                f"{len(self.driver.health)} engines down after recovery ({_engine_reasons(self.driver.health)})")
 
     def rewards(self, step: int, ro: StepRollouts, s: torch.Tensor) -> tuple[RolloutScores, RewardBreakdown]:
         """r_base (answer match; rubrics: mechanical checks and the judge), the anchored penalties, gated R."""
@@ -299,6 +343,15 @@ class GRPORun:
 
     def _driver_state(self) -> dict:
         return {"sampler": self.sampler.state_dict()} if self.is_driver else {}
+
+
+class LostCapacityError(RuntimeError):
+    """The run lost more rollouts or engines than rollout.health.max_lost_capacity allows (a checkpoint was saved)."""
+
+
+def _engine_reasons(health) -> str:
+    down = [f"engine {i}: {health.reason[i] or 'down'}" for i in sorted(health.unrecovered)]
+    return "; ".join(down) if down else "none"
 
 
 def training_temperature(rollout_cfg) -> float:

@@ -28,6 +28,9 @@ accepts:
                                       runs (an in-place pause would hold running requests, and SGLang
                                       refuses the flush then); disk: the load carries the version
   end_weight_update, continue_generation
+Engines that are down (rollout/health.py) are left out of a push: `push(..., live={engine: incarnation})`
+names the ones to reach, the same on every rank. A broadcast group spans exactly the live engines, and is
+opened again when that set changes or one of them is a new process (a restarted engine knows no group).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -104,6 +107,8 @@ class WeightSync:
                                              senders)
         self.version = 0
         self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
+        self._live: dict[int, int] = {i: 0 for i in range(len(self.engines))}  # engine -> incarnation, this push
+        self._members: dict[int, int] = {}  # the engines (and incarnations) this rank's group spans
         self._files_written = 0  # disk mode: this rank's files in the version being written
         self._open_sessions: list = []  # engines this rank opened a weight-update session on
         self._exporter: Optional[HFExporter] = None
@@ -111,8 +116,11 @@ class WeightSync:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- public -------------------------------------------------------------------------------
-    def push(self, model_chunks, arch: Architecture, groups, version: Optional[str] = None) -> SyncStats:
-        """Export and deliver; collective over the training ranks. Returns this rank's stats."""
+    def push(self, model_chunks, arch: Architecture, groups, version: Optional[str] = None,
+             live: Optional[Mapping[int, int]] = None) -> SyncStats:
+        """Export and deliver; collective over the training ranks. Returns this rank's stats. `live`: {engine
+        index: incarnation} of the engines to reach (default: all, incarnation 0); the others are down."""
+        self._set_live(live)
         self.version += 1
         self._files_written = 0
         tag = str(version if version is not None else self.version)
@@ -142,15 +150,8 @@ class WeightSync:
 
     def close(self) -> None:
         """Leave this rank's broadcast group (distributed mode), close owned clients, stop the event loop."""
-        name = self._my_group_name()
-        group, self._group = self._group, None
-
         async def leave():
-            if group is not None:
-                from megatron_search.rollout.weight_group import close_weight_group
-
-                await asyncio.gather(*(e.destroy_weights_update_group(name) for e in self.engines))
-                close_weight_group(group)
+            await self._leave_group(list(self._members))
             if self.owns_engines:
                 await asyncio.gather(*(e.close() for e in self.engines if e is not None))
 
@@ -158,6 +159,28 @@ class WeightSync:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+    def _set_live(self, live: Optional[Mapping[int, int]]) -> None:
+        """This push's engines; a broadcast group that no longer spans exactly them (same processes) is left."""
+        live = {i: 0 for i in range(len(self.engines))} if live is None else {int(i): int(n) for i, n in live.items()}
+        bad = sorted(i for i in live if not 0 <= i < len(self.engines))
+        if bad:
+            raise ValueError(f"weight sync: live engines {bad} out of range for {len(self.engines)} engines")
+        self._live = live
+        if self._group is not None and self._members != live:
+            kept = [i for i, n in self._members.items() if live.get(i) == n]  # the same process: it holds the group
+            self._run(self._leave_group(kept))
+
+    async def _leave_group(self, engines: Sequence[int]) -> None:
+        """Close this rank's broadcast group, on these engines (those still running the process that joined it)."""
+        group, self._group, self._members = self._group, None, {}
+        if group is None:
+            return
+        from megatron_search.rollout.weight_group import close_weight_group
+
+        name = self._my_group_name()
+        await asyncio.gather(*(self.engines[i].destroy_weights_update_group(name) for i in engines))
+        close_weight_group(group)
 
     # ---- plan helpers -------------------------------------------------------------------------
     def _exporter_for(self, model_chunks, arch, groups) -> HFExporter:
@@ -205,7 +228,7 @@ class WeightSync:
         return self._loop.run_until_complete(coro)
 
     def _engines_of(self, d: int) -> list:
-        out = [self.engines[i] for i in self.destinations[d].engines]
+        out = [self.engines[i] for i in self.destinations[d].engines if i in self._live]
         if any(e is None for e in out):
             raise RuntimeError(f"weight sync: rank {self.rank} must feed {self.destinations[d].name} but holds no "
                                f"client for it (pass senders= to keep it off that destination)")
@@ -268,14 +291,16 @@ class WeightSync:
         from megatron_search.rollout.weight_group import open_weight_group
 
         port = free_port(self.sender_address)
-        world = 1 + sum(self.engine_ranks)
-        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.engines))]
+        members = sorted(self._live)
+        world = 1 + sum(self.engine_ranks[i] for i in members)
+        offsets = [1 + sum(self.engine_ranks[j] for j in members[:k]) for k in range(len(members))]
         name = self._my_group_name()
-        joins = [e.init_weights_update_group(self.sender_address, port, off, world, name, self.backend)
-                 for e, off in zip(self.engines, offsets)]
+        joins = [self.engines[i].init_weights_update_group(self.sender_address, port, off, world, name, self.backend)
+                 for i, off in zip(members, offsets)]
         trainer = asyncio.to_thread(open_weight_group, self.sender_address, port, 0, world, name, self.backend)
         results = await asyncio.gather(trainer, *joins)
         self._group = results[0]
+        self._members = dict(self._live)
 
     def _disk_paths(self, d: int, tag: str) -> tuple[Path, Path]:
         base = self.disk_dir / self.destinations[d].name
