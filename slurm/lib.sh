@@ -97,13 +97,33 @@ ms_start_servers() {
   local i
   mkdir -p "$MS_LOG_DIR/sglang"
   for ((i = 0; i < MS_ENGINE_COUNT; i++)); do
-    local node_var="MS_ENGINE_NODE_$i" argv_var="MS_ENGINE_ARGV_$i[@]"
-    local node=${!node_var}
-    srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --kill-on-bad-exit=0 \
-      "${!argv_var}" >"$MS_LOG_DIR/sglang/engine_$i.$node.log" 2>&1 &
+    ms_serve_engine "$i" &
     MS_SERVER_PIDS+=($!)
   done
   ms_log "started $MS_ENGINE_COUNT SGLang server process(es); logs in $MS_LOG_DIR/sglang"
+}
+
+# Engine $1 of the plan, on its node, started again each time it exits (an OOM, an assert in the scheduler), at
+# most MS_ENGINE_RESTARTS times (rollout.health.max_restarts), MS_ENGINE_RESTART_DELAY (10) s apart. The trainer
+# attaches by URL: it waits for the engine at its next weight update and pushes it the current weights before
+# it serves again (docs/ROLLOUT.md, "Failure model"). SIGTERM (ms_cleanup) stops the engine and the loop.
+ms_serve_engine() {
+  local i=$1 node_var="MS_ENGINE_NODE_$1" argv_var="MS_ENGINE_ARGV_$1[@]" restarts=0 rc pid
+  local node=${!node_var}
+  trap '[ -n "${pid:-}" ] && kill "$pid" 2>/dev/null; wait 2>/dev/null; exit 0' TERM
+  while :; do
+    srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --kill-on-bad-exit=0 \
+      "${!argv_var}" >>"$MS_LOG_DIR/sglang/engine_$i.$node.log" 2>&1 &
+    pid=$!
+    rc=0; wait "$pid" || rc=$?
+    if [ "$restarts" -ge "${MS_ENGINE_RESTARTS:-0}" ]; then
+      ms_log "engine $i on $node exited (code $rc); restarted $restarts time(s), not again"
+      return 0
+    fi
+    restarts=$((restarts + 1))
+    ms_log "engine $i on $node exited (code $rc); starting it again ($restarts of ${MS_ENGINE_RESTARTS:-0})"
+    sleep "${MS_ENGINE_RESTART_DELAY:-10}"
+  done
 }
 
 ms_wait_healthy() {

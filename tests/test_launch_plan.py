@@ -97,3 +97,57 @@ def test_job_script_generates_a_key_per_job_or_keeps_the_given_one(tmp_path):
     kept = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={**env, "MY_ENGINE_KEY": given},
                           timeout=60)
     assert kept.stdout.strip() == given and "from $MY_ENGINE_KEY" in kept.stderr and given not in kept.stderr
+
+
+def test_plan_restarts_engines_up_to_the_configured_limit():
+    from megatron_search.launch.slurm_plan import describe, to_shell
+
+    p = plan_for(["rollout.health.max_restarts=5"], "n[1-2]")
+    assert p.engine_restarts == 5 and "MS_ENGINE_RESTARTS=5" in to_shell(p).splitlines()
+    assert "started again, up to 5 times" in describe(p)
+    assert plan_for([], "n[1-2]").engine_restarts == 3  # the schema's default
+
+
+def _fake_srun(tmp_path):
+    """An `srun` that drops its options and runs the command here (no Slurm needed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_job_script_starts_an_engine_that_exits_again_up_to_the_limit(tmp_path):
+    """slurm/lib.sh's ms_serve_engine: an engine that keeps exiting runs 1 + MS_ENGINE_RESTARTS times, into one log."""
+    script = (f'source slurm/lib.sh; MS_LOG_DIR={tmp_path}; mkdir -p {tmp_path}/sglang; MS_ENGINE_NODE_0=n7; '
+              f'MS_ENGINE_ARGV_0=(bash -c "echo run >> {tmp_path}/runs; exit 3"); MS_ENGINE_RESTARTS=2; '
+              'MS_ENGINE_RESTART_DELAY=0; ms_serve_engine 0')
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=_fake_srun(tmp_path), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "runs").read_text() == "run\n" * 3
+    assert "engine 0 on n7 exited (code 3); starting it again (1 of 2)" in r.stderr
+    assert "exited (code 3); starting it again (2 of 2)" in r.stderr
+    assert "exited (code 3); restarted 2 time(s), not again" in r.stderr
+
+
+def test_job_script_stops_a_supervised_engine_on_sigterm(tmp_path):
+    """ms_cleanup's SIGTERM to the supervisor stops the engine it runs, and no restart follows."""
+    import signal
+    import time
+
+    script = (f'source slurm/lib.sh; MS_LOG_DIR={tmp_path}; mkdir -p {tmp_path}/sglang; MS_ENGINE_NODE_0=n7; '
+              f'MS_ENGINE_ARGV_0=(bash -c "echo \\$\\$ >> {tmp_path}/pids; exec sleep 300"); MS_ENGINE_RESTARTS=3; '
+              'MS_ENGINE_RESTART_DELAY=0; ms_serve_engine 0')
+    sup = subprocess.Popen(["bash", "-c", script], env=_fake_srun(tmp_path), stderr=subprocess.PIPE, text=True)
+    pids = tmp_path / "pids"
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text().strip()):
+        assert time.monotonic() < deadline, "the engine never started"
+        time.sleep(0.05)
+    engine = int(pids.read_text().split()[0])
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(timeout=30) == 0
+    time.sleep(0.3)
+    assert pids.read_text().split() == [str(engine)]  # not started again
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine, 0)

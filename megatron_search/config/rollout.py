@@ -91,7 +91,8 @@ class EngineHealthConfig(Section):
         3, description="restarts per engine and run of the engines this job started; past it the engine stays down")
     reattach_timeout_s: PositiveFloat = Field(
         10.0, description="engines attached by rollout.engine_urls: how long each weight update waits for a down one "
-        "to answer /health again (they are not ours to restart)")
+        "to answer /health again; it is probed again at every later update (the Slurm plans' SGLang servers are "
+        "started again by slurm/lib.sh, up to max_restarts times)")
     max_lost_capacity: float = Field(
         0.25, ge=0.0, le=1.0, description="the run stops with an error and a checkpoint of the step's start when a "
         "step loses more than this share of its rollouts, or more than this share of the engines stays down after "

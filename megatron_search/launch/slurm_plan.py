@@ -42,6 +42,7 @@ class LaunchPlan:
     engines: list[Engine] = field(default_factory=list)
     train_argv: list[str] = field(default_factory=list)
     api_key_env: str = ""  # the variable holding the engines' API key (the key is never in the plan)
+    engine_restarts: int = 0  # slurm/lib.sh starts an engine that exits again, this many times (rollout.health)
 
     @property
     def world_size(self) -> int:
@@ -96,7 +97,8 @@ def make_launch_plan(
         train_nodes = nodes[: len(nodes) - c.rollout_nodes]
     else:
         train_nodes = nodes
-    plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0], api_key_env=cfg.rollout.api_key_env)
+    plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0], api_key_env=cfg.rollout.api_key_env,
+                      engine_restarts=cfg.rollout.health.max_restarts)
     if stage == "grpo" and cfg.rollout.engine == "sglang":
         serve_nodes = rollout_nodes or nodes
         gpus_per_engine = cfg.rollout.sglang.tp * cfg.rollout.sglang.dp
@@ -149,6 +151,7 @@ def to_shell(plan: LaunchPlan, addr_of=lambda n: n) -> str:
         f"MS_TRAIN_ARGV={arr(plan.train_argv)}",
         f"MS_ENGINE_COUNT={len(plan.engines)}",
         f"MS_ENGINE_KEY_ENV={q(plan.api_key_env)}",
+        f"MS_ENGINE_RESTARTS={plan.engine_restarts}",
     ]
     for i, e in enumerate(plan.engines):
         lines.append(f"MS_ENGINE_NODE_{i}={q(e.node)}")
@@ -170,7 +173,8 @@ def describe(plan: LaunchPlan) -> str:
         lines.append(f"rollout nodes: {len(plan.rollout_nodes)} ({plan.rollout_nodes[0]}..{plan.rollout_nodes[-1]})")
     lines.append(f"engine API key: ${plan.api_key_env} in the environment of every engine and rank (generated per job "
                  "when unset; never on a command line)")
-    lines.append(f"SGLang engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes)")
+    lines.append(f"SGLang engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes; one that exits is "
+                 f"started again, up to {plan.engine_restarts} times, and re-synced by the trainer)")
     for e in plan.engines:
         lines.append(f"  [{e.node}] {q(e.argv)}")
     lines.append(

@@ -16,6 +16,7 @@ ms_parse_args "$@"
 cd "$MS_REPO"
 MS_NODELIST=$SLURM_JOB_NODELIST
 eval "$(ms_launch_plan shell)"
+MS_ENGINE_RESTARTS=0  # the probes exit on purpose: ms_serve_engine must not start them again
 MS_LOG_DIR=${MS_LOG_DIR:?}
 mkdir -p "$MS_LOG_DIR"
 export PYTHONPATH=$MS_REPO/tests/slurm/probe${PYTHONPATH:+:$PYTHONPATH}
