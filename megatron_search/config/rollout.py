@@ -51,6 +51,37 @@ class SGLangConfig(Section):
     extra_args: list[str] = Field(default_factory=list)
 
 
+VLLM_VERSION = "0.33.0"  # the vLLM release rollout/vllm.py is written and contract-tested against
+
+
+class VLLMConfig(Section):
+    """`vllm serve` flags (rollout/vllm.py builds the command line; docs/ROLLOUT.md, "vLLM"). Defaults are vLLM
+    0.33.0's own (engine/arg_utils.py) unless the description says why they differ."""
+
+    server: Literal["vllm", "local"] = Field(
+        "vllm", description="vllm: `vllm serve` processes; local: the local engine (rollout.local) serving vLLM "
+        "0.33.0's API subset instead of SGLang's (CPU runs and tests of the vLLM client)")
+    model_path: Optional[str] = Field(None, description="HF directory served; None = model.checkpoint")
+    tp: PositiveInt = Field(1, description="--tensor-parallel-size (vLLM default 1)")
+    dp: PositiveInt = Field(1, description="--data-parallel-size (vLLM default 1)")
+    enable_expert_parallel: bool = Field(False, description="--enable-expert-parallel: experts over TP x DP "
+                                         "(vLLM default off)")
+    gpu_memory_utilization: float = Field(0.8, gt=0.0, le=1.0, description="--gpu-memory-utilization; vLLM's "
+                                          "default 0.9, ours 0.8 as rollout.sglang.mem_fraction_static")
+    host: str = Field("127.0.0.1", description="--host; vLLM's RL and sleep routes are not guarded by --api-key, "
+                      "so the server binds loopback unless the cluster plan says otherwise (private network)")
+    base_port: PositiveInt = Field(30000, description="--port of engine 0; engine i listens on base_port + 10 i")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: Optional[PositiveInt] = Field(None, description="--max-model-len; None = the model's")
+    enable_sleep_mode: bool = Field(True, description="--enable-sleep-mode: needed by /sleep and /wake_up "
+                                    "(colocated release/resume); vLLM's default is off")
+    enable_prefix_caching: bool = Field(True, description="--enable-prefix-caching (vLLM default on)")
+    startup_timeout_s: PositiveFloat = Field(900.0, description="health wait after launch")
+    request_timeout_s: PositiveFloat = Field(3600.0, description="HTTP timeout of one client request")
+    log_dir: str = Field("logs/vllm", description="one log file per server (relative to run.output_dir)")
+    extra_args: list[str] = Field(default_factory=list, description="appended to the `vllm serve` line")
+
+
 class LocalEngineConfig(Section):
     """The local engine (rollout/local.py): the HF model under transformers, SGLang's HTTP API subset."""
 
@@ -100,7 +131,9 @@ class EngineHealthConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["local", "sglang"] = "local"
+    engine: Literal["local", "sglang", "vllm"] = Field(
+        "local", description="local: the CPU engine (SGLang's API); sglang; vllm (rollout.vllm, vLLM "
+        "0.33.0's token-in/token-out API)")
     mode: Literal["colocated", "disaggregated"] = "colocated"
     num_engines: PositiveInt = 1
     engine_urls: list[str] = Field(default_factory=list, description="already running engines (disaggregated)")
@@ -137,10 +170,13 @@ class RolloutConfig(Section):
     def resolved_weight_sync(self) -> str:
         if self.weight_sync != "auto":
             return self.weight_sync
+        if self.engine == "vllm":  # vLLM takes weights from disk (/collective_rpc reload_weights); see schema checks
+            return "disk"
         return "tensor" if self.mode == "colocated" else "distributed"
     return_original_logprob: bool = Field(
         False, description="logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB); default: of the sampling distribution"
     )
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)
-    local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)
+    local: LocalEngineConfig = Field(default_factory=LocalEngineConfig)

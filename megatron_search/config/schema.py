@@ -166,9 +166,29 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
     if r.engine == "sglang" and r.mode == "disaggregated" and sync == "tensor":
         out.append("rollout.weight_sync: SGLang's /update_weights_from_tensor carries CUDA IPC handles, which open only "
                    "on the sender's node; disaggregated engines need 'distributed' or 'disk'")
+    if r.engine == "vllm":
+        out += vllm_problems(cfg, sync)
     stages = p.pp * (p.vpp or 1)
     if p.vpp is not None and p.pp == 1:
         out.append("parallel.vpp: virtual pipeline stages need PP > 1")
     if arch.num_layers % stages:
         out.append(f"parallel.pp: {arch.num_layers} layers are not divisible by PP x VPP = {stages}")
+    return out
+
+
+def vllm_problems(cfg: Config, sync: str) -> list[str]:
+    """What vLLM 0.33.0 cannot do for this config (rollout/vllm.py, docs/ROLLOUT.md "vLLM")."""
+    r, out = cfg.rollout, []
+    if sync in ("tensor", "distributed"):
+        out.append(f"rollout.weight_sync: '{sync}' into vLLM is not supported yet: vLLM 0.33.0's weight-transfer "
+                   "backends need the trainer on vLLM's own rendezvous (NCCL: StatelessProcessGroup + PyNccl) or CUDA "
+                   "IPC handles keyed by each receiving GPU, which the owner-parallel sender does not produce; use "
+                   "'disk' (the default with rollout.engine=vllm: /collective_rpc reload_weights)")
+    if r.top_p < 1.0 and not r.return_original_logprob:
+        out.append(f"rollout.top_p: {r.top_p} with vLLM: its processed_logprobs renormalise over the top-p nucleus, "
+                   "while the trainer (and SGLang) use logprobs over the whole vocabulary at the temperature; use "
+                   "top_p=1 or rollout.return_original_logprob=true")
+    if r.mode == "colocated" and r.vllm.server == "vllm" and not r.vllm.enable_sleep_mode:
+        out.append("rollout.vllm.enable_sleep_mode: colocated engines free their memory while the policy trains "
+                   "(/sleep, /wake_up), which vLLM serves only with --enable-sleep-mode")
     return out

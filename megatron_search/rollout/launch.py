@@ -3,7 +3,8 @@
 - `rollout.engine_urls` set: attach to running servers (disaggregated), start nothing.
 - `rollout.engine = "local"`: `rollout.num_engines` local CPU engine servers (processes).
 - `rollout.engine = "sglang"`: SGLang servers (`rollout.sglang`), optionally behind sglang-router.
-Every client is an `SGLangClient`; callers never branch on the engine kind.
+- `rollout.engine = "vllm"`: vLLM servers (`rollout.vllm`), or local engines serving vLLM's API; `VLLMClient`s.
+Every client is an `SGLangClient` (VLLMClient is one); callers never branch on the engine kind.
 
 Every engine is authenticated with the key in `$rollout.api_key_env`: attached engines must already
 hold it; engines started here get it (generated for the job when the variable is unset, and exported
@@ -62,6 +63,10 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     timeout = r.sglang.request_timeout_s
     use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
+    if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm.py)
+        from .vllm import start_vllm_engines
+
+        return start_vllm_engines(cfg, output_dir, moe_shape)
     if r.engine_urls:
         key = key_from_env(r.api_key_env)
         return RolloutEngines([SGLangClient(u, timeout, moe_shape, tp_size=r.sglang.tp, api_key=key)

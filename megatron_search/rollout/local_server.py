@@ -356,17 +356,50 @@ async def memory(request: web.Request, engine: LocalEngine) -> web.Response:
 
 
 def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
-              limits: Optional[dict] = None) -> web.Application:
+              limits: Optional[dict] = None, api: str = "sglang", routed_experts: bool = False) -> web.Application:
     """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions; with `api_key` every route SGLang
-    guards needs it (require_api_key); `limits`: body bytes per route (body_limits; default DEFAULT_LIMITS)."""
+    guards needs it (require_api_key); `limits`: body bytes per route (body_limits; default DEFAULT_LIMITS).
+    api="vllm": vLLM 0.33.0's routes and key rule instead of SGLang's (rollout/local_vllm.py; `routed_experts`
+    is its --enable-return-routed-experts)."""
     limits = dict(limits or DEFAULT_LIMITS)
-    app = web.Application(client_max_size=max(limits.values()), middlewares=[require_api_key] if api_key else [])
+    if api not in ("sglang", "vllm"):
+        raise ValueError(f"api must be 'sglang' or 'vllm', got {api!r}")
+    guard = require_api_key
+    if api == "vllm":
+        from .local_vllm import require_vllm_key as guard
+    app = web.Application(client_max_size=max(limits.values()), middlewares=[guard] if api_key else [])
     app[ENGINE_KEY] = engine
     app[BODY_LIMITS] = limits
     if api_key:
         app[API_KEY] = api_key
     params = [p.numel() for p in engine.runner.model.parameters()]  # at start: shapes never change, storage may be released later
     app[SIZES_KEY] = (max(params, default=0), sum(params))
+    if api == "vllm":
+        from .local_vllm import add_vllm_routes
+
+        add_vllm_routes(app, engine, api_key, routed_experts)
+        post, get = {}, {"/local/weights_sha256": weights_sha256, "/local/memory": memory}
+    else:
+        post, get = _sglang_routes()
+    for path, fn in post.items():
+        app.router.add_post(path, fn)
+    for path, fn in get.items():
+        app.router.add_route("GET", path, fn)
+        app.router.add_route("POST", path, fn)
+    if chat is not None:
+        app[CHAT_KEY] = chat
+        chat.engine = engine
+        app.router.add_post("/v1/chat/completions", chat.handle)
+
+    async def shutdown(_app):
+        await engine.close()
+
+    app.on_cleanup.append(shutdown)
+    return app
+
+
+def _sglang_routes() -> tuple[dict, dict]:
+    """SGLang's routes: (POST only, GET and POST)."""
     post = {
         "/generate": generate,
         "/update_weights_from_tensor": update_weights_from_tensor,
@@ -382,29 +415,16 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
         "/release_memory_occupation": release_memory_occupation,
         "/resume_memory_occupation": resume_memory_occupation,
     }
-    for path, fn in post.items():
-        app.router.add_post(path, fn)
-    for path, fn in {"/flush_cache": flush_cache, "/health": health, "/health_generate": health_generate,
-                     "/get_model_info": get_model_info, "/get_weight_version": get_weight_version,
-                     "/local/weights_sha256": weights_sha256, "/local/memory": memory}.items():
-        app.router.add_route("GET", path, fn)
-        app.router.add_route("POST", path, fn)
-    if chat is not None:
-        app[CHAT_KEY] = chat
-        chat.engine = engine
-        app.router.add_post("/v1/chat/completions", chat.handle)
-
-    async def shutdown(_app):
-        await engine.close()
-
-    app.on_cleanup.append(shutdown)
-    return app
+    return post, {"/flush_cache": flush_cache, "/health": health, "/health_generate": health_generate,
+                  "/get_model_info": get_model_info, "/get_weight_version": get_weight_version,
+                  "/local/weights_sha256": weights_sha256, "/local/memory": memory}
 
 
 async def serve(engine: LocalEngine, host: str, port: int, chat=None, port_file: Optional[str] = None,
-                api_key: Optional[str] = None, limits: Optional[dict] = None) -> None:
+                api_key: Optional[str] = None, limits: Optional[dict] = None, api: str = "sglang",
+                routed_experts: bool = False) -> None:
     """Serve until cancelled; prints the URL and writes the bound port to `port_file` (atomically)."""
-    runner = web.AppRunner(build_app(engine, chat, api_key, limits), access_log=None)
+    runner = web.AppRunner(build_app(engine, chat, api_key, limits, api, routed_experts), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -435,6 +455,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--api-key-env", default=None, metavar="NAME",
                    help="environment variable holding the API key every guarded route needs (the key itself is never "
                         "an argument); default rollout.api_key_env; unset or empty: no key, every route open")
+    p.add_argument("--api", choices=("sglang", "vllm"), default=None,
+                   help="HTTP API served: SGLang's, or vLLM 0.33.0's subset (rollout/local_vllm.py); default vllm "
+                        "when rollout.engine=vllm (rollout.vllm.server=local), else sglang")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     config = args.config
@@ -465,6 +488,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         # fp32 means fp32: the IS ratio compares these logprobs with fp32 training (no TF32 matmuls or convs)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    api = args.api or ("vllm" if cfg.rollout.engine == "vllm" else "sglang")
     engine = LocalEngine.from_config(cfg, device=device)
     from .chat_endpoint import ChatEndpoint
 
@@ -472,7 +496,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     host = args.host or cfg.rollout.local.host
     port = cfg.rollout.local.port if args.port is None else args.port
     try:
-        asyncio.run(serve(engine, host, port, chat, args.port_file, api_key, body_limits(cfg)))
+        asyncio.run(serve(engine, host, port, chat, args.port_file, api_key, body_limits(cfg), api,
+                          routed_experts=cfg.grpo.routing_replay))
     except KeyboardInterrupt:
         pass
     return 0

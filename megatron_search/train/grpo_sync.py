@@ -61,6 +61,10 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     kind = "sglang" if r.engine == "sglang" else "auto"
     clients = [SGLangClient(u, r.sglang.request_timeout_s, moe_shape, kind, tp_size=r.sglang.tp) for u in urls]
+    if r.engine == "vllm":
+        from megatron_search.rollout.vllm import VLLMClient
+
+        clients = [VLLMClient(u, r.vllm.request_timeout_s, moe_shape) for u in urls]
     rank_node = node_ids()
     mode = r.resolved_weight_sync()
     sync = WeightSync(

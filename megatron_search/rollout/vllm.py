@@ -1,0 +1,449 @@
+"""vLLM servers (vLLM 0.33.0): launch them, wait until healthy, and drive them over vLLM's own HTTP API.
+
+`VLLMClient` implements `Engine` against the routes vLLM 0.33.0 serves (read from its source,
+docs/ROLLOUT.md "vLLM" maps each one):
+
+  generate            POST /inference/v1/generate (token ids in, token ids out; `--enable-scale-out`):
+                      sampling_params {max_tokens, temperature, top_p, seed, stop_token_ids, ignore_eos,
+                      logprobs: 0, detokenize: false, routed_experts_prompt_start}; the answer's
+                      choices[0] carries token_ids, logprobs.content[i].logprob, finish_reason / stop_reason,
+                      routed_experts (base64 `.npy`, [seqlen - 1 - start, layers, top_k]) and weight_versions
+  logprobs            `--logprobs-mode processed_logprobs`: log-softmax after temperature (and top-p, which
+                      the config refuses below 1), our and SGLang's convention; `raw_logprobs` with
+                      rollout.return_original_logprob (SGLANG_RETURN_ORIGINAL_LOGPROB's counterpart)
+  pause / continue    POST /pause?mode=abort|keep, POST /resume; SGLang's `retract` is `keep` plus
+                      /reset_prefix_cache?reset_running_requests=true at the flush (running requests lose
+                      their KV and re-prefill on the new weights, as SGLang's retract)
+  weights             disk: POST /collective_rpc {method: reload_weights, kwargs: {weights_path}}, then
+                      /reset_prefix_cache and /update_weight_version; the weight-transfer API
+                      (/init_weight_transfer_engine, /start_weight_update, /update_weights,
+                      /finish_weight_update) for the NCCL backend's requests
+  sleep / wake        POST /sleep?level=2 (weights and KV freed; weights come back by the next update),
+                      POST /release_kv_cache_memory (KV only), POST /wake_up?tags=...
+  health              GET /health (open), a one-token generate as the heartbeat (vLLM has no
+                      /health_generate), GET /v1/models and /weight_info for model info
+
+The RL, sleep, cache and RPC routes exist only with VLLM_SERVER_DEV_MODE=1 and are not guarded by
+`--api-key` (vLLM guards /v1, /v2, /inference, /cohere): servers bind 127.0.0.1, or the cluster's
+private network in the Slurm plan. The key reaches vLLM as $VLLM_API_KEY, which vLLM reads when
+--api-key is absent: never on a command line.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+from urllib.parse import urlencode
+
+import numpy as np
+
+from megatron_search.config.rollout import VLLM_VERSION  # noqa: F401 (re-exported)
+
+from .auth import job_key
+from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode
+from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess
+from .types import FinishReason, GenerateRequest, GenerateResult
+
+GENERATE_ROUTE = "/inference/v1/generate"
+VLLM_PAUSE_MODE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+
+
+class VLLMClient(SGLangClient):
+    """HTTP client for one vLLM 0.33.0 server (or the local engine serving vLLM's API subset).
+
+    Transport, errors and the API key are SGLangClient's (Authorization: Bearer on every request); every
+    Engine method is vLLM's. `moe_shape` (MoE layers, top_k) checks the routed experts vLLM returns."""
+
+    def __init__(self, base_url: str, timeout_s: float = 3600.0, moe_shape: Optional[tuple[int, int]] = None,
+                 max_connections: int = 0, api_key: Optional[str] = None):
+        super().__init__(base_url, timeout_s, moe_shape, tensor_format="auto", max_connections=max_connections,
+                         api_key=api_key)
+        self._pause_mode: Optional[str] = None  # ours (abort / retract / in_place) while paused
+        self._owned_by: Optional[str] = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"VLLMClient({self.base_url!r}, api_key={'set' if self._api_key else 'none'})"
+
+    async def _post(self, path: str, payload: Optional[dict] = None, **query) -> Any:
+        q = [(k, v) for k, vs in query.items() for v in (vs if isinstance(vs, list) else [vs]) if v is not None]
+        return await self._call(path + (f"?{urlencode(q)}" if q else ""), payload if payload is not None else {})
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate_payload(self, request: GenerateRequest) -> dict:
+        """The /inference/v1/generate body for `request` (vLLM's GenerateRequest and SamplingParams fields)."""
+        sp = request.sampling
+        params: dict[str, Any] = {
+            "max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos,
+            "detokenize": False, "skip_special_tokens": False,
+        }
+        if sp.seed is not None:
+            params["seed"] = sp.seed
+        if request.return_logprob:
+            params["logprobs"] = 0  # the sampled token's logprob only
+        if request.return_routed_experts:
+            params["routed_experts_prompt_start"] = request.routed_experts_start_len
+        payload: dict[str, Any] = {"token_ids": list(request.input_ids), "sampling_params": params,
+                                   "output_mode": "tokens", "stream": False}
+        if request.rid is not None:
+            payload["request_id"] = request.rid
+        return payload
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        body = await self._call(GENERATE_ROUTE, self.generate_payload(request))
+        return await self._parse_vllm(request, body)
+
+    async def _parse_vllm(self, request: GenerateRequest, body: Any) -> GenerateResult:
+        where = f"{self.base_url}{GENERATE_ROUTE}"
+        if not isinstance(body, dict):
+            raise MalformedReply(f"{where}: the answer is a JSON {type(body).__name__}, not an object")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise MalformedReply(f"{where}: expected exactly one choice, got {str(choices)[:100]!r}")
+        c = choices[0]
+        ids = c.get("token_ids")
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise MalformedReply(f"{where}: choices[0].token_ids must be a list of non-negative integers")
+        logprobs = _vllm_logprobs(where, c.get("logprobs"), ids) if request.return_logprob else None
+        finish = _finish(where, c.get("finish_reason"), c.get("stop_reason"), ids)
+        experts = None
+        if request.return_routed_experts:
+            rows = len(request.input_ids) + len(ids) - 1 - request.routed_experts_start_len
+            experts = decode_npy_experts(where, c.get("routed_experts"), rows, self.moe_shape)
+        usage = body.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise MalformedReply(f"{where}: usage must be an object")
+        prompt_tokens = usage.get("prompt_tokens", len(request.input_ids))
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens", 0) if isinstance(details, dict) else None
+        for name, v in (("usage.prompt_tokens", prompt_tokens), ("usage.prompt_tokens_details.cached_tokens", cached)):
+            if not _is_int(v):
+                raise MalformedReply(f"{where}: {name} must be an integer, got {v!r:.40}")
+        return GenerateResult(output_ids=list(ids), output_logprobs=logprobs, finish_reason=finish,
+                              weight_version=await self._span_version(where, c.get("weight_versions")),
+                              prompt_tokens=prompt_tokens, cached_tokens=cached or 0, routed_experts_NLK=experts)
+
+    async def _span_version(self, where: str, spans: Any) -> str:
+        """The version of the last weight-version span (the weights that sampled the last token); an answer
+        without spans (no token sampled) takes the server's current version."""
+        if spans:
+            if not isinstance(spans, list) or not all(isinstance(s, dict) and isinstance(s.get("version"), str)
+                                                      for s in spans):
+                raise MalformedReply(f"{where}: weight_versions must be a list of {{version, start, end}} spans")
+            return spans[-1]["version"]
+        return await self.weight_version()
+
+    async def weight_version(self) -> str:
+        body = await self._get_object("/weight_info")
+        if not isinstance(body.get("weight_version"), str):
+            raise MalformedReply(f"{self.base_url}/weight_info: no weight_version string in {str(body)[:100]!r}")
+        return body["weight_version"]
+
+    # -- weights --------------------------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
+        """vLLM's in-place reload (worker.reload_weights(weights_path=...)), then the prefix-cache reset SGLang's
+        disk load does itself, then the version."""
+        if abort_all_requests:
+            await self._post("/abort_requests", {})
+        await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+        await self.flush_cache()
+        if weight_version is not None:
+            await self.update_weight_version(str(weight_version), abort_all_requests=False)
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True,
+                                         abort_all_requests=False):
+        raise EngineError(f"{self.base_url}: tensor weight updates into vLLM are not supported: vLLM 0.33.0's IPC "
+                          "backend opens a CUDA IPC handle keyed by each receiving GPU, which the owner-parallel sender "
+                          "does not produce; use rollout.weight_sync=disk")
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                        group_name="weight_update_group", backend="nccl"):
+        """vLLM's NCCL weight-transfer backend: the engine joins at `rank_offset` of a `world_size` group whose
+        rank 0 is the trainer. vLLM rendezvouses through its StatelessProcessGroup (TCPStore) + PyNccl, so the
+        trainer must open the group with vLLM's trainer side (config refuses weight_sync=distributed for now)."""
+        if backend != "nccl":
+            raise EngineError(f"{self.base_url}: vLLM's weight-transfer groups are NCCL only, got backend {backend!r}")
+        await self._post("/init_weight_transfer_engine", {"init_info": {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size)}})
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                              weight_version=None, flush_cache=True, abort_all_requests=False,
+                                              load_format=None):
+        if load_format is not None:
+            raise EngineError(f"{self.base_url}: vLLM's NCCL backend sets packing at init, not per update "
+                              f"(load_format {load_format!r})")
+        if abort_all_requests:
+            await self._post("/abort_requests", {})
+        await self._post("/update_weights", {"update_info": {
+            "names": list(names), "dtype_names": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes]}})
+        if weight_version is not None:
+            await self.update_weight_version(str(weight_version), abort_all_requests=False)
+        if flush_cache:
+            await self.flush_cache()
+
+    async def destroy_weights_update_group(self, group_name="weight_update_group"):
+        await self._post("/shutdown_weight_transfer_engine", {})
+
+    async def begin_weight_update(self) -> None:
+        await self._post("/start_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._post("/finish_weight_update", {})
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
+        if abort_all_requests:
+            await self._post("/abort_requests", {})  # no ids: every request the server tracks
+        await self._post("/update_weight_version", {"new_version": str(new_version)})
+
+    async def local_memory(self) -> Optional[dict]:
+        """The local engine's held bytes ({weights, kv_cache}); None for vLLM itself."""
+        if await self._server() != LOCAL_ENGINE_NAME:
+            return None
+        return await self._get_object("/local/memory")
+
+    # -- control --------------------------------------------------------------------------------
+    async def flush_cache(self) -> None:
+        """/reset_prefix_cache; after a `retract` pause (vLLM's keep) with reset_running_requests, which preempts
+        the frozen requests (their KV freed, recomputed on resume). vLLM answers success=false while blocks are held."""
+        try:  # success=false is an EngineError from _call already
+            body = await self._post("/reset_prefix_cache",
+                                    reset_running_requests="true" if self._pause_mode == "retract" else None)
+        except (EngineUnreachable, EngineTimeout, MalformedReply):
+            raise
+        except EngineError as e:
+            raise EngineError(f"{self.base_url}/reset_prefix_cache: not reset ({e}); vLLM resets only when no "
+                              "running request holds cache blocks") from None
+        if not (isinstance(body, dict) and body.get("success") is True):
+            raise MalformedReply(f"{self.base_url}/reset_prefix_cache: expected {{success: true}}, got {str(body)[:200]}")
+
+    async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        if mode not in VLLM_PAUSE_MODE:
+            raise ValueError(f"pause_generation: mode must be abort, retract or in_place, got {mode!r}")
+        await self._post("/pause", mode=VLLM_PAUSE_MODE[mode])
+        self._pause_mode = mode
+
+    async def continue_generation(self) -> None:
+        await self._post("/resume", {})
+        self._pause_mode = None
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        """Both (or weights): /sleep?level=2 (weights and KV discarded; the weights return with the next update,
+        as SGLang's release without a CPU backup); KV cache only: /release_kv_cache_memory."""
+        tags = set(tags or ("weights", "kv_cache"))
+        if tags == {"kv_cache"}:
+            await self._post("/release_kv_cache_memory", {})
+        elif tags == {"weights", "kv_cache"}:
+            await self._post("/sleep", level=2, mode="abort")
+        else:
+            raise EngineError(f"release_memory_occupation: vLLM frees weights only together with the KV cache "
+                              f"(/sleep?level=2), got tags {sorted(tags)}")
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[MemoryTag]] = None) -> None:
+        await self._post("/wake_up", tags=list(tags) if tags else None)
+
+    async def health(self) -> bool:
+        try:
+            await self._call("/health", method="GET")
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self) -> None:
+        """The heartbeat: vLLM has no /health_generate, so one greedy token through /inference/v1/generate (it
+        answers once the scheduler has stepped it); raises EngineError otherwise."""
+        from .types import SamplingParams
+
+        await self.generate(GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0),
+                                            return_logprob=False))
+
+    async def _models(self) -> dict:
+        body = await self._get_object("/v1/models")
+        data = body.get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            raise MalformedReply(f"{self.base_url}/v1/models: no model in {str(body)[:200]!r}")
+        return data[0]
+
+    async def _server(self) -> str:
+        if self._owned_by is None:
+            self._owned_by = str((await self._models()).get("owned_by"))
+        return self._owned_by
+
+    async def get_model_info(self) -> ModelInfo:
+        m = await self._models()
+        layers, top_k = self.moe_shape or (0, 0)
+        return ModelInfo(model_path=str(m.get("root") or m.get("id")), weight_version=await self.weight_version(),
+                         num_moe_layers=layers, moe_top_k=top_k)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _vllm_logprobs(where: str, logprobs: Any, ids: list[int]) -> list[float]:
+    """logprobs.content: one entry per output token, the sampled token's id and a finite logprob."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(ids):
+        n = len(content) if isinstance(content, list) else 0
+        raise MalformedReply(f"{where}: {n} logprobs.content entries for {len(ids)} output tokens "
+                             "(is sampling_params.logprobs set?)")
+    out = []
+    for i, (e, tok) in enumerate(zip(content, ids)):
+        lp = e.get("logprob") if isinstance(e, dict) else None
+        if not isinstance(e, dict) or e.get("token_id") != tok or not isinstance(lp, (int, float)) \
+                or isinstance(lp, bool) or not math.isfinite(lp):
+            raise MalformedReply(f"{where}: logprobs.content[{i}] must be {{token_id: {tok}, logprob: finite}}, "
+                                 f"got {e!r:.80}")
+        out.append(float(lp))
+    return out
+
+
+def _finish(where: str, reason: Any, stop_reason: Any, ids: list[int]) -> FinishReason:
+    """vLLM's finish_reason (stop / length / abort) and stop_reason (the matched stop token id; None at EOS) as
+    SGLang's {type, matched}: a stop matched the last output token either way."""
+    if reason not in ("stop", "length", "abort"):
+        return FinishReason("abort", message=f"finish_reason {reason!r}")
+    if reason == "stop":
+        matched = stop_reason if _is_int(stop_reason) else (ids[-1] if ids else None)
+        return FinishReason("stop", matched=matched)
+    return FinishReason(reason)
+
+
+def decode_npy_experts(where: str, data: Any, rows: int, moe_shape: Optional[tuple[int, int]]) -> np.ndarray:
+    """vLLM's routed_experts: base64 of an `.npy` array [rows, MoE layers, top_k] (uint8 / uint16 / int32), as int32."""
+    if not isinstance(data, str):
+        raise MalformedReply(f"{where}: no routed_experts in the answer (start vLLM with --enable-return-routed-experts)")
+    try:
+        arr = np.load(io.BytesIO(base64.b64decode(data.encode("ascii"), validate=True)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise MalformedReply(f"{where}: routed_experts is not a base64 .npy array ({type(e).__name__}: {e})") from None
+    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise MalformedReply(f"{where}: routed_experts must be an integer array [tokens, layers, top_k], "
+                             f"got {arr.dtype} {arr.shape}")
+    if arr.shape[0] != rows:
+        raise MalformedReply(f"{where}: routed_experts has {arr.shape[0]} rows, expected {rows} (seqlen - 1 - start)")
+    if moe_shape is not None and tuple(arr.shape[1:]) != tuple(moe_shape):
+        raise MalformedReply(f"{where}: routed_experts rows are {tuple(arr.shape[1:])} (layers, top_k), the model's "
+                             f"are {tuple(moe_shape)}")
+    return arr.astype(np.int32)
+
+
+def encode_npy_experts(experts_NLK: np.ndarray) -> str:
+    """vLLM's encoding (vllm.utils.serial_utils.numpy2base64): base64 of np.save's bytes."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(experts_NLK), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+def vllm_command(v, model_path: str, port: int, routing_replay: bool, seed: int = 0,
+                 original_logprob: bool = False) -> list[str]:
+    """`python -m vllm.entrypoints.cli.main serve` argv of one server from a `VLLMConfig` (vLLM 0.33.0 flags).
+    No key here: the server reads $VLLM_API_KEY (vllm_env)."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+        "--host", v.host, "--port", str(port),
+        "--tensor-parallel-size", str(v.tp), "--data-parallel-size", str(v.dp),
+        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+        "--dtype", v.dtype, "--seed", str(seed),
+        "--logprobs-mode", "raw_logprobs" if original_logprob else "processed_logprobs",
+        "--enable-scale-out",  # /inference/v1/generate: token ids in and out
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+        "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if v.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
+    if v.enable_sleep_mode:
+        argv.append("--enable-sleep-mode")
+    if routing_replay:
+        argv.append("--enable-return-routed-experts")
+    if v.max_model_len:
+        argv += ["--max-model-len", str(v.max_model_len)]
+    return argv + list(v.extra_args)
+
+
+def vllm_env(key_env: str, base: Optional[dict] = None) -> dict:
+    """The server's environment: the RL / sleep / cache / RPC routes on (VLLM_SERVER_DEV_MODE=1), and the job's key
+    as $VLLM_API_KEY (vLLM's --api-key without the command line)."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_API_KEY"] = job_key(key_env)
+    return env
+
+
+def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None) -> list[ServerProcess]:
+    """Start `rollout.num_engines` vLLM servers on this host (each on its own GPUs) and wait until each is healthy."""
+    v = cfg.rollout.vllm
+    model_path = model_path or v.model_path or cfg.model.checkpoint
+    if not model_path:
+        raise EngineError("rollout.vllm.model_path (or model.checkpoint) must name the HF directory to serve")
+    servers: list[ServerProcess] = []
+    try:
+        for i in range(cfg.rollout.num_engines):
+            port = v.base_port + ENGINE_PORT_STRIDE * i
+            env = vllm_env(cfg.rollout.api_key_env)
+            gpus = v.tp * v.dp
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(g) for g in range(gpus * cfg.rollout.num_engines)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i * gpus:(i + 1) * gpus])  # vLLM has no --base-gpu-id
+            argv = vllm_command(v, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
+                                original_logprob=cfg.rollout.return_original_logprob)
+            servers.append(ServerProcess(argv, Path(output_dir) / v.log_dir / f"server_{i}.log", env))
+        for i, server in enumerate(servers):
+            server.wait_healthy(f"http://{v.host}:{v.base_port + ENGINE_PORT_STRIDE * i}", v.startup_timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]]):
+    """rollout.engine=vllm for launch.start_engines: attach to rollout.engine_urls, or start `rollout.num_engines`
+    vLLM servers (rollout.vllm.server=vllm) or local engine servers speaking vLLM's API (server=local)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .launch import RolloutEngines
+    from .sglang import launch_local_server
+
+    r = cfg.rollout
+    timeout = r.vllm.request_timeout_s
+    if r.engine_urls:
+        from .auth import key_from_env
+
+        key = key_from_env(r.api_key_env)
+        return RolloutEngines([VLLMClient(u, timeout, moe_shape, api_key=key) for u in r.engine_urls])
+    key = job_key(r.api_key_env)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if r.vllm.server == "vllm":
+        servers = launch_vllm_servers(cfg, out)
+    else:
+        from megatron_search.config import dump_config
+
+        config_path = out / "rollout_engine_config.yaml"
+        tmp = config_path.with_suffix(".tmp")
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, config_path)
+
+        def launch(i: int) -> ServerProcess:  # the server reads rollout.engine=vllm: vLLM's API
+            return launch_local_server(str(config_path), [], out / f"local_vllm_engine_{i}.log",
+                                       r.local.startup_timeout_s, host=r.local.host, api_key=key,
+                                       api_key_env=r.api_key_env)
+
+        with ThreadPoolExecutor(max_workers=r.num_engines) as pool:
+            futures = [pool.submit(launch, i) for i in range(r.num_engines)]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().stop()
+            raise failed[0]
+        servers = [f.result() for f in futures]
+    return RolloutEngines([VLLMClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
