@@ -1,8 +1,9 @@
 """Chaos (issue 25.3): a CPU GRPO run with 2 local engine servers; one is SIGKILLed in the middle of a step, twice.
 
-The parent process watches the run (colocate_phases.jsonl says when a step's rollouts begin), waits
-until the victim engine holds requests (its running batch appears in /local/memory), finds its
-process by its port file and SIGKILLs it, at step 1 and again at step 2, with
+The parent process watches the run: once the previous step's rollouts are logged, it waits until the
+victim engine's cache is flushed by the weight update (/local/memory) and then holds requests again
+(the step's rollouts run there), finds its process by its port file and SIGKILLs it, at step 1 and
+again at step 2, with
 rollout.health.max_restarts=1. Then, from what the run left behind:
 - step 1's kill: the rollouts in flight there ran again on the other engine, none lost; the engine
   was restarted once, at the same URL, and after that weight update both engines' weights equal the
@@ -60,11 +61,12 @@ class Killer(threading.Thread):
 
     def run(self) -> None:
         for step in self.steps:
-            phases = self.out / "colocate_phases.jsonl"
-            while not self._rollout_phase_started(phases, step):
+            while not self._step_done(step - 1):  # its dispatch rows are written once its rollouts are in
                 self._tick(0.02, step)
             url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
-            while self._held_kv_bytes(url) == 0:  # flushed by the last weight update: > 0 once requests run
+            while self._held_kv_bytes(url) != 0:  # until the weight update before `step` flushed the engine
+                self._tick(0.005, step)
+            while self._held_kv_bytes(url) == 0:  # then step `step`'s requests run there
                 self._tick(0.005, step)
             pid = self._server_pid()
             os.kill(pid, signal.SIGKILL)
@@ -75,22 +77,25 @@ class Killer(threading.Thread):
             raise TimeoutError(f"step {step}'s rollouts never ran on engine {self.engine}")
         time.sleep(s)
 
-    @staticmethod
-    def _rollout_phase_started(phases: Path, step: int) -> bool:
-        if not phases.is_file():
-            return False
-        rows = [json.loads(line) for line in phases.read_text().splitlines() if line.endswith("}")]
-        return any(r["step"] == step and r["phase"] == "rollout" for r in rows)
+    def _step_done(self, step: int) -> bool:
+        log = self.out / "rollout_dispatch.jsonl"
+        return log.is_file() and any(json.loads(line)["step"] == step for line in log.read_text().splitlines()
+                                     if line.endswith("}"))
 
     @staticmethod
     def _held_kv_bytes(url: str) -> int:
+        """The engine's cache bytes (running batch + prefix cache); -1 while it does not answer (restarting)."""
+        import urllib.error
         import urllib.request
 
         from megatron_search.rollout.auth import bearer_header, key_from_env
 
         req = urllib.request.Request(f"{url}/local/memory", headers=bearer_header(key_from_env()))
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return int(json.loads(r.read())["kv_cache"])
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return int(json.loads(r.read())["kv_cache"])
+        except (urllib.error.URLError, ConnectionError):
+            return -1
 
     def _server_pid(self) -> int:
         mark = str(self.port_file).encode()
@@ -110,8 +115,9 @@ def dispatch_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rollout_dispatch.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity_limit_stops_the_run(fx, tmp_path,
-                                                                                                     capsys):
+                                                                                                     capsys, mode):
     import _chaos_worker
     from _grpo_fixture import grpo_overrides
     from _mp import run_spawned
@@ -124,7 +130,8 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity
     killer = Killer(out, engine=1, steps=[1, 2])
     killer.start()
     t0 = time.monotonic()
-    run_spawned(_chaos_worker.main, 1, fx, str(out), steps, RUN, timeout_s=600)
+    run = RUN + [f"rollout.mode={mode}"]  # colocated: tensor sync, memory turns; disaggregated: broadcast groups
+    run_spawned(_chaos_worker.main, 1, fx, str(out), steps, run, timeout_s=600)
     elapsed = time.monotonic() - t0
     killer.join(timeout=1)
     assert [k["step"] for k in killer.killed] == [1, 2] and killer.killed[0]["pid"] != killer.killed[1]["pid"]
@@ -171,11 +178,11 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity
     assert "1 of 2 engines down after recovery (engine 1: " in err and "step_00000003" in err
     assert len(scalars(out, "reward/mean")) == 3 and not (out / "final_weights").exists()
     meta = json.loads((out / "checkpoints" / "step_00000003" / "trainer.json").read_text())
-    sampler = build_mix_sampler(load_config(None, grpo_overrides(fx, out, steps) + RUN))
+    sampler = build_mix_sampler(load_config(None, grpo_overrides(fx, out, steps) + run))
     for _ in range(3):
         sampler.take(PROMPTS)
     assert meta["iteration"] == 3 and meta["extra"]["sampler"] == json.loads(json.dumps(sampler.state_dict()))
     with capsys.disabled():
-        print(f"\nchaos: run {elapsed:.1f} s; retried {len(moved)} rollouts "
+        print(f"\nchaos ({mode}): run {elapsed:.1f} s; retried {len(moved)} rollouts "
               f"({[sum(len(r['engines']) - 1 for r in rows if r['step'] == s) for s in range(steps)]} per step), "
               f"0 lost, 1 restart, stopped at step 3 with half the engines down")
