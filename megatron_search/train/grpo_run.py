@@ -199,7 +199,8 @@ class GRPORun:
                                       version=str(self.trainer.iteration), live=live)
         if self.is_driver:
             self.driver.engines_synced(live)
-            self._engine_metrics()
+            if not first:  # before the first step the counts wait for step 0's (metrics start at begin_step)
+                self._engine_metrics()
         if not first and self.trainer.iteration >= cfg.grpo.steps:
             save_hf_weights(self.trainer.model, cfg, self.ctx.groups, self.out / FINAL_WEIGHTS, bucket)
         sent = stats.rank_sent_bytes
