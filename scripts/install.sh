@@ -2,6 +2,7 @@
 # Install megatron-search into the current Python environment.
 #   bash scripts/install.sh          # library + CLI
 #   bash scripts/install.sh --dev    # plus test tools
+#   MS_VLLM_CONTRACT=1 bash scripts/install.sh --dev   # plus vLLM 0.33.0's sources for its contract test
 # On a CPU machine torch==2.13.0 (CPU build) is installed first so that nothing below pulls a
 # multi-GB CUDA build; on a GPU machine install the torch build you want before running this.
 set -euo pipefail
@@ -27,4 +28,9 @@ if [ -n "$extras" ]; then
   "$PY" -m pip install --quiet --no-deps "sglang==0.5.23"
   "$PY" -m pip install --quiet -c "$held" -r scripts/sglang-contract-requirements.txt
   rm -f "$held"
+fi
+# vLLM's contract test (tests/test_rollout_vllm_contract.py) needs vLLM 0.33.0's Python sources: its wheel is
+# 336 MB (CUDA kernels), so they are fetched only on request (~157 MB kept, nothing installed into site-packages).
+if [ -n "$extras" ] && [ "${MS_VLLM_CONTRACT:-0}" = "1" ]; then
+  PYTHON="$PY" bash scripts/fetch_vllm_contract.sh
 fi

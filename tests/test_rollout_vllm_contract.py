@@ -1,0 +1,50 @@
+"""Contract tests against vLLM 0.33.0's own code (tests/_vllm_contract_check.py, in a child process): every request
+VLLMClient sends is one vLLM's models accept with the meaning we intend (each key a declared field of its
+GenerateRequest / SamplingParams, values parsed back equal, max_tokens seen as provided), every route it calls is in
+vLLM's route tables with that method, the pause/sleep modes are vLLM's PauseMode, /collective_rpc kwargs are strings
+(vLLM passes only those), the weight-transfer bodies construct vLLM's NCCL init/update info classes; a response built
+by vLLM's own classes (numpy2base64 of uint8 experts, weight-version spans, usage details) parses to the values
+put in; the local server's answer validates as vLLM's GenerateTokensResponse and it refuses every body vLLM refuses;
+and its key rule decides as vLLM's AuthenticationMiddleware on 288 cases.
+
+vLLM comes from an installed `vllm` or the sources scripts/fetch_vllm_contract.sh extracts (the 336 MB wheel is not
+part of scripts/install.sh --dev unless MS_VLLM_CONTRACT=1); without either the test is skipped and says so.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+CONTRACT = Path(os.environ.get("MS_VLLM_CONTRACT_PATH", HERE.parent / ".cache" / "vllm-contract-0.33.0"))
+
+
+def _vllm_path():
+    if importlib.util.find_spec("vllm") is not None:
+        return ""
+    return str(CONTRACT) if (CONTRACT / "vllm" / "_version.py").exists() else None
+
+
+@pytest.mark.skipif(_vllm_path() is None, reason="vLLM 0.33.0 sources absent: run scripts/fetch_vllm_contract.sh "
+                                                  "(or MS_VLLM_CONTRACT=1 bash scripts/install.sh --dev)")
+def test_vllm_client_and_local_server_match_vllms_own_types():
+    path = _vllm_path()
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (path, str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run([sys.executable, str(HERE / "_vllm_contract_check.py")], cwd=HERE.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["vllm"] == "0.33.0"
+    assert result["problems"] == []
+    assert set(result["checked"]) == {
+        "POST /inference/v1/generate", "POST /abort_requests", "POST /collective_rpc", "POST /pause", "POST /resume",
+        "POST /reset_prefix_cache", "POST /sleep", "POST /release_kv_cache_memory", "POST /wake_up",
+        "POST /start_weight_update", "POST /finish_weight_update", "POST /update_weight_version",
+        "POST /init_weight_transfer_engine", "POST /update_weights", "POST /shutdown_weight_transfer_engine"}
+    assert all(v == [True, True] for v in result["refusals"].values()) and len(result["refusals"]) == 8
+    assert result["auth_cases"] == 3 * 12 * 8
