@@ -64,15 +64,19 @@ class TPLayout:
             out.append(torch.chunk(p, size, self.dim)[rank])
         return out[0] if len(out) == 1 else torch.cat(out, self.dim)
 
-    def gather(self, shards: Sequence[torch.Tensor], ctx: "MappingContext") -> torch.Tensor:
+    def gather(self, shards: Sequence[torch.Tensor], ctx: "MappingContext",
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The full tensor from its TP shards (written into `out` when given: no fresh allocation)."""
         if self.dim is None or len(shards) == 1:
-            return shards[0]
+            if out is None:
+                return shards[0]
+            return out.copy_(shards[0])
         if self.sections is None:
-            return torch.cat(list(shards), self.dim)
+            return torch.cat(list(shards), self.dim, out=out)
         size = len(shards)
         local = [s // size for s in self.sections(ctx)]
         pieces = [torch.split(s, local, self.dim) for s in shards]
-        return torch.cat([pieces[r][i] for i in range(len(local)) for r in range(size)], self.dim)
+        return torch.cat([pieces[r][i] for i in range(len(local)) for r in range(size)], self.dim, out=out)
 
 
 REPLICATED = TPLayout()

@@ -34,7 +34,8 @@ from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
 from .local_runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
 from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
 from .types import FinishReason, GenerateRequest, GenerateResult
-from .weight_group import FLAT, close_weight_group, open_weight_group, receive_flat_bucket, receive_named_tensors
+from .weight_group import (FLAT, close_weight_group, grow_buffer, open_weight_group, receive_flat_bucket,
+                           receive_named_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class LocalEngine(Engine):
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._groups: dict[str, object] = {}
         self._group_devices: dict[str, torch.device] = {}  # where each group's broadcasts land (CUDA for NCCL)
+        self._flat_buffer: Optional[torch.Tensor] = None  # flattened buckets land here, bucket after bucket
         self._session = False  # a weight-update session is open (begin/end_weight_update)
         self.steps = 0
 
@@ -454,8 +456,12 @@ class LocalEngine(Engine):
         torch_dtypes = check_dtypes(dtypes)
 
         def run():
-            receive = receive_flat_bucket if load_format == FLAT else receive_named_tensors
-            named = receive(group, names, torch_dtypes, shapes, device=self._group_devices[group_name])
+            device = self._group_devices[group_name]
+            if load_format == FLAT:
+                self._flat_buffer = grow_buffer(self._flat_buffer, torch_dtypes, shapes, device)
+                named = receive_flat_bucket(group, names, torch_dtypes, shapes, device=device, buffer=self._flat_buffer)
+            else:
+                named = receive_named_tensors(group, names, torch_dtypes, shapes, device=device)
             load_named_tensors(self.runner.model, named)
             self._after_update(weight_version, flush_cache)
         await self._control(run, abort_all=abort_all_requests)
@@ -465,6 +471,8 @@ class LocalEngine(Engine):
         if group is None:
             raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
         self._group_devices.pop(group_name, None)
+        if not self._groups:
+            self._flat_buffer = None
         close_weight_group(group)
 
     async def flush_cache(self) -> None:
@@ -515,6 +523,7 @@ class LocalEngine(Engine):
 
             def run():
                 if "weights" in tags and "weights" not in self._released:
+                    self._flat_buffer = None
                     for name, p in self.runner.model.named_parameters():
                         self._weight_shapes[name] = (p.shape, p.dtype)
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -15,7 +15,7 @@ sglang 0.5.23's function by tests/test_rollout_sglang_contract.py.
 from __future__ import annotations
 
 import datetime
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,22 +83,49 @@ FLAT = "flattened_bucket"  # SGLang's load_format: the announced tensors' bytes 
 
 def send_flat_bucket(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.Tensor]],
                      device: torch.device | str = "cpu") -> None:
-    """Trainer side of load_format "flattened_bucket": every tensor's bytes back to back, one broadcast."""
-    flat = torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    """Trainer side of load_format "flattened_bucket": every tensor's bytes back to back, one broadcast.
+    A bucket that already is those bytes (weights/export.FlatBucket: `.flat`) goes as it is."""
+    flat = getattr(named, "flat", None)
+    if flat is None or flat.device.type != torch.device(device).type:
+        flat = torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in named])
     broadcast(group, flat, src=0)
+
+
+def grow_buffer(buffer: Optional[torch.Tensor], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A uint8 receive buffer on `device` that holds the announced tensors: `buffer` when it is large enough."""
+    need = sum(dt.itemsize * int(torch.Size(shape).numel()) for dt, shape in zip(dtypes, shapes))
+    if buffer is not None and buffer.numel() >= need and buffer.device == torch.device(device):
+        return buffer
+    return torch.empty(round_up_bytes(need), dtype=torch.uint8, device=device)
+
+
+def round_up_bytes(n: int) -> int:
+    """`n` rounded up to 1/8 of its power of two (at most 12.5% more): buckets of nearly the same size, as a
+    sync's are (each filled up to the bucket size), then fit one buffer instead of regrowing it."""
+    if n <= 1 << 20:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return (n + step - 1) // step * step
 
 
 def receive_flat_bucket(
     group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]],
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", buffer: Optional[torch.Tensor] = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Engine side of "flattened_bucket": one broadcast into a buffer on `device`, split at the announced sizes."""
+    """Engine side of "flattened_bucket": one broadcast into a buffer on `device`, split at the announced sizes.
+    `buffer` (uint8, on `device`, at least the bucket's size) is received into instead of a new one: the views
+    returned are valid until it is reused."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
     if not names:
         return []
     sizes = [dt.itemsize * int(torch.Size(shape).numel()) for dt, shape in zip(dtypes, shapes)]
-    flat = broadcast(group, torch.empty(sum(sizes), dtype=torch.uint8, device=device), src=0)
+    total = sum(sizes)
+    if buffer is not None and buffer.dtype == torch.uint8 and buffer.numel() >= total:
+        flat = broadcast(group, buffer[:total], src=0)
+    else:
+        flat = broadcast(group, torch.empty(total, dtype=torch.uint8, device=device), src=0)
     out = []
     for name, dt, shape, part in zip(names, dtypes, shapes, torch.split(flat, sizes)):
         if part.storage_offset() % dt.itemsize:  # mixed dtypes: realign before the view

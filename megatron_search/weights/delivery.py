@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
 from megatron_search.distributed import collectives as coll
-from megatron_search.weights.export import HFExporter
+from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
 from megatron_search.weights.send_plan import (Destination, colocated_destinations, disaggregated_destination)
 
 Mode = Literal["tensor", "distributed", "disk"]
@@ -107,6 +107,8 @@ class WeightSync:
                                              senders)
         self.version = 0
         self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
+        self._moves = None  # the export's own copy of the training world (shard moves, opened on first use)
+        self._staging: Optional[StagingBuffers] = None  # this rank's flat buckets (kept between pushes if disaggregated)
         self._live: dict[int, int] = {i: 0 for i in range(len(self.engines))}  # engine -> incarnation, this push
         self._members: dict[int, int] = {}  # the engines (and incarnations) this rank's group spans
         self._files_written = 0  # disk mode: this rank's files in the version being written
@@ -133,11 +135,7 @@ class WeightSync:
             if self.mode == "distributed":
                 self._open_groups(plan)
             self._barrier()
-            for k_round, mine in enumerate(exporter.rounds()):
-                for _ in self._turns(plan.rounds[k_round]):
-                    for d, bucket in mine.items():
-                        self._run(self._deliver(d, bucket, tag))
-                del mine
+            self._deliver_rounds(exporter, tag)
             self._barrier()
             for d in controlled:
                 self._run(self._finish(d, tag))
@@ -150,6 +148,9 @@ class WeightSync:
 
     def close(self) -> None:
         """Leave this rank's broadcast group (distributed mode), close owned clients, stop the event loop."""
+        if self._staging is not None:
+            self._staging.release()
+
         async def leave():
             await self._leave_group(list(self._members))
             if self.owns_engines:
@@ -193,6 +194,50 @@ class WeightSync:
                                         rank_node=self.rank_node)
             self._exporter_key = key
         return self._exporter
+
+    def _deliver_rounds(self, exporter: HFExporter, tag: str) -> None:
+        """Every round's buckets, pipelined: the engines are kept busy while the senders prepare.
+
+        Buckets are assembled straight into this rank's staging buffer (HFExporter: FlatBucket, the bytes of
+        SGLang's flattened bucket), and each round's shard moves travel on a process group of their own
+        while the previous round is delivered (StagedRounds). A rank prepares its next round as soon as its
+        own turn in this round is over, while the senders after it deliver, so the engine is not left idle
+        while a sender gathers and copies; a rank with nothing to send in a round prepares at its start."""
+        plan = exporter.plan
+        if self._staging is None:
+            self._staging = StagingBuffers(exporter.device)
+        staged = StagedRounds(exporter, self._staging, self._moves_group())
+        n = len(plan.rounds)
+        try:
+            ready = staged.take(0) if n else {}
+            for k in range(n):
+                mine, ready = ready, None
+                senders = sorted(plan.rounds[k]) if self.mode == "distributed" else [self.rank]
+                if self.rank not in senders:
+                    ready = staged.take(k + 1) if k + 1 < n else {}
+                for s in senders:
+                    if s == self.rank:
+                        for d, bucket in mine.items():
+                            self._run(self._deliver(d, bucket, tag))
+                    if self.mode == "distributed":
+                        self._barrier()  # the next sender's turn (see _turns)
+                    if s == self.rank:
+                        del mine
+                        ready = staged.take(k + 1) if k + 1 < n else {}
+        finally:
+            staged.close()
+            if self.engine_node is not None:  # colocated: the trainer's memory goes back to training
+                self._staging.release()
+
+    def _moves_group(self):
+        """A copy of the training world for the export's shard moves (opened on first use, collectively), so
+        the next round's moves never queue behind this round's turn barriers."""
+        if self._moves is None and dist.is_initialized() and self.world > 1:
+            ranks = dist.get_process_group_ranks(self.world_group) if self.world_group is not None else None
+            self._moves = dist.new_group(ranks, backend=dist.get_backend(self.world_group),
+                                         use_local_synchronization=self.world_group is not None)
+            coll.barrier(group=self._moves)  # NCCL: every rank's first call on a communicator must be collective
+        return self._moves if self._moves is not None else self.world_group
 
     def _turns(self, senders):
         """Yield once when this rank may deliver. Broadcast groups take turns, one sender at a time in rank

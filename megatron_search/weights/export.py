@@ -16,6 +16,14 @@ rank so callers can keep collectives in step.
 
 Peak extra memory per rank is about one bucket of assembled HF tensors plus the shards it pulled
 for them; shards it sends to others go out as views of its parameters (no packed copy).
+
+`rounds(staging=...)` (the weight sync) assembles each round's tensors straight into one flat byte
+buffer per destination, back to back in send order, and receives pulled shards into one scratch
+buffer: the TP gather writes the full tensor in place (`torch.cat(out=)`), HF tensors that are
+contiguous slices of it (copy, vocab, concat rules) need no further copy, and the flat buffer is
+already the bytes of SGLang's flattened bucket (`FlatBucket.flat`): no per-round allocations, no
+clone, no concatenation before the broadcast. The buffers are reused round after round (the caller
+consumes a round before asking for the next) and released by `StagingBuffers.release`.
 """
 from __future__ import annotations
 
@@ -31,6 +39,40 @@ from megatron_search.weights.params import LocalParam, local_params, model_mappi
 from megatron_search.weights.send_plan import Destination, ParamShards, SendPlan, build_send_plan
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+
+class FlatBucket(list):
+    """A bucket whose tensors are views, back to back in order, of one contiguous byte buffer `flat`
+    (SGLang's flattened bucket: a broadcast sends `flat` as is). Valid until the next round."""
+
+    def __init__(self, items: Bucket, flat: torch.Tensor):
+        super().__init__(items)
+        self.flat = flat
+
+
+class StagingBuffers:
+    """Reusable byte buffers of one rank's export (per destination, plus one for pulled shards), grown on
+    demand and kept until `release` (a weight sync releases them at the end of each push)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict = {}
+
+    def get(self, key, nbytes: int) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            from megatron_search.rollout.weight_group import round_up_bytes
+
+            self._bufs.pop(key, None)
+            buf = torch.empty(round_up_bytes(nbytes), dtype=torch.uint8, device=self.device)
+            self._bufs[key] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+    def release(self) -> None:
+        self._bufs.clear()
 
 
 class BucketTooSmallError(ValueError):
@@ -164,11 +206,24 @@ class HFExporter:
         return sum(e.hf_bytes(self.out_dtype) for e in self.entries)
 
     # ---- data movement ------------------------------------------------------------------------
-    def _move_shards(self, ids: list[int]) -> dict[tuple[int, int], torch.Tensor]:
+    def _move_shards(self, ids: list[int], staging: Optional[StagingBuffers] = None
+                     ) -> dict[tuple[int, int], torch.Tensor]:
         """One round's point-to-point shard moves, all posted before any is waited on. Sources send their
         parameter tensors as they are (contiguous views, no packed copy). Returns {(assignment, shard): tensor}
-        received by this rank."""
+        received by this rank (views of one scratch buffer when `staging` is given)."""
+        works, got = self._post_moves(ids, staging, self.world_group)
+        for req in works:
+            req.wait()
+        return got
+
+    def _post_moves(self, ids: list[int], staging: Optional[StagingBuffers], group) -> tuple[list, dict]:
+        """Post a round's shard moves on `group` without waiting: (requests, {(assignment, shard): buffer})."""
         ops, got = [], {}
+        scratch, pos = None, 0
+        if staging is not None:
+            need = sum(_align(n) for n in self._pulled_sizes(ids))
+            if need:
+                scratch = staging.get("pulled", need)
         for k in ids:
             a = self.plan.assignments[k]
             e = self.entries[a.param]
@@ -177,15 +232,28 @@ class HFExporter:
                     continue
                 if self.rank == src:
                     ops.append(dist.P2POp(dist.isend, self.local[e.name].tensor.detach().contiguous(), a.sender,
-                                          group=self.world_group))
+                                          group=group))
                 elif self.rank == a.sender:
-                    buf = torch.empty(e.shard_shapes[i], dtype=e.dtype, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buf, src, group=self.world_group))
+                    if scratch is not None:
+                        n = _numel(e.shard_shapes[i]) * e.dtype.itemsize
+                        buf = scratch[pos:pos + n].view(e.dtype).view(e.shard_shapes[i])
+                        pos += _align(n)
+                    else:
+                        buf = torch.empty(e.shard_shapes[i], dtype=e.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, src, group=group))
                     got[(k, i)] = buf
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return got
+        return (dist.batch_isend_irecv(ops) if ops else []), got
+
+    def _pulled_sizes(self, ids: list[int]) -> list[int]:
+        """Bytes of every shard this rank receives in a round (in posting order)."""
+        out = []
+        for k in ids:
+            a = self.plan.assignments[k]
+            if a.sender != self.rank:
+                continue
+            e = self.entries[a.param]
+            out += [_numel(e.shard_shapes[i]) * e.dtype.itemsize for i, src in enumerate(a.sources) if src != self.rank]
+        return out
 
     def _assemble(self, k: int, remote: dict) -> list[tuple[str, torch.Tensor]]:
         a = self.plan.assignments[k]
@@ -202,8 +270,68 @@ class HFExporter:
             out.append((name, t))
         return out
 
-    def rounds(self) -> Iterator[dict[int, Bucket]]:
-        """Per round, this rank's assembled tensors by destination index ({} when it sends nothing)."""
+    def _assemble_into(self, k: int, remote: dict, buf: torch.Tensor, off: int) -> tuple[Bucket, int]:
+        """`_assemble`, writing the HF tensors back to back into the byte buffer `buf` from offset `off`.
+        Returns the (name, view of buf) pairs and the offset after them."""
+        a = self.plan.assignments[k]
+        e = self.entries[a.param]
+        out_dtype = self.out_dtype or e.dtype
+        shards = [self.local[e.name].tensor.detach() if src == self.rank else remote.pop((k, i))
+                  for i, src in enumerate(a.sources)]
+        layout = e.match.rule.tp
+        full_bytes = _numel(e.full_shape) * e.dtype.itemsize
+        if (len(shards) > 1 and layout.dim is not None and out_dtype == e.dtype and off % e.dtype.itemsize == 0
+                and off + full_bytes <= buf.numel()):
+            # gather in place: the full tensor is written where its HF tensors go
+            full = layout.gather(shards, self.mapping.ctx, out=buf[off:off + full_bytes].view(e.dtype).view(e.full_shape))
+        else:  # a replicated parameter (the live tensor itself), or a cast on the way
+            full = layout.gather(shards, self.mapping.ctx)
+        outs = self.mapping.to_hf(e.match, full, e.zero_centered)
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        targets, pos = [], off
+        for name, t in outs:
+            n = t.numel() * out_dtype.itemsize
+            # a tensor after one of another dtype may start off its alignment: its bytes are copied as bytes
+            targets.append(buf[pos:pos + n].view(out_dtype).view(t.shape) if pos % out_dtype.itemsize == 0
+                           else buf[pos:pos + n])
+            pos += n
+        # an HF tensor that is a view of the in-place full tensor at another place would be overwritten by
+        # its siblings' copies: take it out first (no table rule does this today)
+        outs = [(name, t.clone() if t.data_ptr() != dst.data_ptr() and lo <= t.data_ptr() < hi else t)
+                for (name, t), dst in zip(outs, targets)]
+        named = []
+        for (name, t), dst in zip(outs, targets):
+            if dst.dtype == torch.uint8 and out_dtype != torch.uint8:  # unaligned slot
+                t = t.to(out_dtype).contiguous()
+                dst.copy_(t.reshape(-1).view(torch.uint8))
+                named.append((name, t))
+                continue
+            if t.data_ptr() != dst.data_ptr() or t.dtype != dst.dtype or t.stride() != dst.stride():
+                dst.copy_(t)
+            named.append((name, dst))
+        return named, pos
+
+    def staged_bytes(self, rnd: dict[int, list[int]]) -> dict[int, int]:
+        """Bytes of flat buffer a round needs on this rank, per destination (room for an in-place gather)."""
+        need: dict[int, int] = {}
+        used: dict[int, int] = {}
+        for k in rnd.get(self.rank, []):
+            a = self.plan.assignments[k]
+            e = self.entries[a.param]
+            at = used.get(a.dest, 0)
+            used[a.dest] = at + e.hf_bytes(self.out_dtype)
+            room = at + _numel(e.full_shape) * e.dtype.itemsize if self.out_dtype in (None, e.dtype) else 0
+            need[a.dest] = max(need.get(a.dest, 0), used[a.dest], room)
+        return need
+
+    def rounds(self, staging: Optional[StagingBuffers] = None) -> Iterator[dict[int, Bucket]]:
+        """Per round, this rank's assembled tensors by destination index ({} when it sends nothing).
+        With `staging`, each destination's bucket is a FlatBucket in a reused buffer (see module doc)."""
+        if staging is not None:
+            staged = StagedRounds(self, staging, self.world_group)
+            for k in range(len(self.plan.rounds)):
+                yield staged.take(k)
+            return
         for rnd in self.plan.rounds:
             ids = [k for sender_ids in rnd.values() for k in sender_ids]
             remote = self._move_shards(ids)
@@ -212,9 +340,69 @@ class HFExporter:
                 mine.setdefault(self.plan.assignments[k].dest, []).extend(self._assemble(k, remote))
             yield mine
 
+    def _assemble_round(self, k_round: int, remote: dict, staging: StagingBuffers) -> dict[int, Bucket]:
+        rnd = self.plan.rounds[k_round]
+        need = self.staged_bytes(rnd)
+        offsets: dict[int, int] = {}
+        mine: dict[int, Bucket] = {}
+        for k in rnd.get(self.rank, []):
+            d = self.plan.assignments[k].dest
+            named, offsets[d] = self._assemble_into(k, remote, staging.get(("dest", d), need[d]), offsets.get(d, 0))
+            mine.setdefault(d, []).extend(named)
+        return {d: FlatBucket(items, staging.get(("dest", d), need[d])[:offsets[d]]) for d, items in mine.items()}
+
     def __iter__(self) -> Iterator[Bucket]:
         for mine in self.rounds():
             yield [item for bucket in mine.values() for item in bucket]
+
+
+class StagedRounds:
+    """The export round by round into `staging`, with the next round's shard moves in flight meanwhile.
+
+    `take(k)` (rounds in order, on every rank) waits for round k's shard moves, assembles this rank's
+    round-k buckets into the staging buffers (FlatBucket per destination) and posts round k+1's moves on
+    `group` before returning, so they travel while the caller delivers round k. Round k's buckets stay
+    valid until `take(k + 1)`. Pulled shards land in one scratch buffer: round k+1's moves are posted only
+    once round k's shards are assembled, so a rank holds at most assembled(k) + max(pulled(k), pulled(k + 1))
+    (SendPlan.peak_extra_bytes). Give `group` a process group of its own (a copy of
+    the training world) when the caller runs other collectives on the world meanwhile, so neither waits
+    behind the other."""
+
+    def __init__(self, exporter: "HFExporter", staging: StagingBuffers, group=None):
+        self.exporter, self.staging, self.group = exporter, staging, group
+        self._posted: Optional[tuple[int, list, dict]] = None
+        self._next = 0
+        self._post(0)
+
+    def _post(self, k: int) -> None:
+        rounds = self.exporter.plan.rounds
+        if k < len(rounds):
+            ids = [j for sender_ids in rounds[k].values() for j in sender_ids]
+            works, got = self.exporter._post_moves(ids, self.staging, self.group)
+            self._posted = (k, works, got)
+
+    def take(self, k: int) -> dict[int, Bucket]:
+        if k != self._next or self._posted is None or self._posted[0] != k:
+            raise RuntimeError(f"StagedRounds.take({k}): rounds must be taken in order (next is {self._next})")
+        _, works, remote = self._posted
+        self._posted = None
+        for req in works:
+            req.wait()
+        mine = self.exporter._assemble_round(k, remote, self.staging)
+        self._next = k + 1
+        self._post(k + 1)
+        return mine
+
+    def close(self) -> None:
+        """Wait for moves still in flight (every rank posts every round, so none is left unmatched)."""
+        if self._posted is not None:
+            for req in self._posted[1]:
+                req.wait()
+            self._posted = None
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

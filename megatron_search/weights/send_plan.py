@@ -94,16 +94,24 @@ class SendPlan:
         return n
 
     def peak_extra_bytes(self) -> list[int]:
-        """Per rank, the largest round's assembled HF bytes plus the shards pulled for them."""
-        peak = [0] * len(self.rank_node)
-        for rnd in self.rounds:
+        """Per rank, the most it holds at once: a round's assembled HF bytes plus the shards pulled for them,
+        or, while that round is delivered, plus the next round's pulled shards (their moves are in flight
+        then; weights/export.StagedRounds)."""
+        world = len(self.rank_node)
+        assembled = [[0] * world for _ in self.rounds]
+        pulled = [[0] * world for _ in self.rounds]
+        for k, rnd in enumerate(self.rounds):
             for sender, ids in rnd.items():
-                held = 0
                 for j in ids:
                     a = self.assignments[j]
                     p = self.params[a.param]
-                    held += p.hf_bytes + sum(b for b, s in zip(p.shard_bytes, a.sources) if s != sender)
-                peak[sender] = max(peak[sender], held)
+                    assembled[k][sender] += p.hf_bytes
+                    pulled[k][sender] += sum(b for b, s in zip(p.shard_bytes, a.sources) if s != sender)
+        peak = [0] * world
+        for k in range(len(self.rounds)):
+            nxt = pulled[k + 1] if k + 1 < len(self.rounds) else [0] * world
+            for r in range(world):
+                peak[r] = max(peak[r], assembled[k][r] + max(pulled[k][r], nxt[r]))
         return peak
 
     def describe(self) -> dict:
