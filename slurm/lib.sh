@@ -50,7 +50,7 @@ ms_cleanup() {
   local rc=$?
   for pid in "${MS_SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${MS_SERVER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  [ ${#MS_SERVER_PIDS[@]} -gt 0 ] && ms_log "stopped ${#MS_SERVER_PIDS[@]} SGLang server(s)"
+  [ ${#MS_SERVER_PIDS[@]} -gt 0 ] && ms_log "stopped ${#MS_SERVER_PIDS[@]} ${MS_ENGINE_KIND:-SGLang} server(s)"
   exit $rc
 }
 
@@ -100,7 +100,7 @@ ms_start_servers() {
     ms_serve_engine "$i" &
     MS_SERVER_PIDS+=($!)
   done
-  ms_log "started $MS_ENGINE_COUNT SGLang server process(es); logs in $MS_LOG_DIR/sglang"
+  ms_log "started $MS_ENGINE_COUNT ${MS_ENGINE_KIND:-SGLang} server process(es); logs in $MS_LOG_DIR/sglang"
 }
 
 # Engine $1 of the plan, on its node, started again each time it exits (an OOM, an assert in the scheduler), at

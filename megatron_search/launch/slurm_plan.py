@@ -43,6 +43,7 @@ class LaunchPlan:
     train_argv: list[str] = field(default_factory=list)
     api_key_env: str = ""  # the variable holding the engines' API key (the key is never in the plan)
     engine_restarts: int = 0  # slurm/lib.sh starts an engine that exits again, this many times (rollout.health)
+    engine_kind: str = "SGLang"  # rollout.engine's servers: SGLang or vLLM
 
     @property
     def world_size(self) -> int:
@@ -74,6 +75,25 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     return argv
 
 
+def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_index: int = 0) -> list[str]:
+    """argv of one vLLM server for the cluster: rollout/vllm.py's `vllm serve` line run through its main (the key
+    from $rollout.api_key_env becomes $VLLM_API_KEY there, never an argument), on `gpus` of its node, reachable from
+    the training nodes (0.0.0.0 on the private network: vLLM's RL routes are not guarded by its key), seeded per
+    engine, dummy weights without an HF checkpoint (the policy's weights arrive by weight sync)."""
+    from megatron_search.rollout.vllm import serve_argv, vllm_command
+
+    colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
+    v = cfg.rollout.vllm.model_copy(update={"host": "0.0.0.0",
+                                            "enable_sleep_mode": colocated and cfg.rollout.vllm.enable_sleep_mode})
+    inner = vllm_command(v, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed + engine_index,
+                         original_logprob=cfg.rollout.return_original_logprob)
+    if cfg.model.checkpoint is None and not cfg.rollout.vllm.model_path:
+        inner += ["--load-format", "dummy"]
+    argv = serve_argv(inner[1:], cfg.rollout.api_key_env, gpus)
+    argv[0] = "python"  # the compute nodes' interpreter from the job's environment
+    return argv
+
+
 def make_launch_plan(
     cfg: Config,
     stage: str,
@@ -87,7 +107,8 @@ def make_launch_plan(
     c = cfg.cluster
     tasks = tasks_per_node or c.gpus_per_node
     rollout_nodes: list[str] = []
-    if stage == "grpo" and cfg.rollout.engine == "sglang" and cfg.rollout.mode == "disaggregated":
+    served = cfg.rollout.engine in ("sglang", "vllm")  # engines the plan starts (local engines are the trainer's)
+    if stage == "grpo" and served and cfg.rollout.mode == "disaggregated":
         if not 0 < c.rollout_nodes < len(nodes):
             raise LaunchError(
                 f"cluster.rollout_nodes={c.rollout_nodes}: disaggregated mode needs 1..{len(nodes) - 1} of the "
@@ -99,6 +120,9 @@ def make_launch_plan(
         train_nodes = nodes
     plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0], api_key_env=cfg.rollout.api_key_env,
                       engine_restarts=cfg.rollout.health.max_restarts)
+    plan.engine_kind = "vLLM" if cfg.rollout.engine == "vllm" else "SGLang"
+    if stage == "grpo" and cfg.rollout.engine == "vllm":
+        _plan_vllm(plan, cfg, rollout_nodes or nodes)
     if stage == "grpo" and cfg.rollout.engine == "sglang":
         serve_nodes = rollout_nodes or nodes
         gpus_per_engine = cfg.rollout.sglang.tp * cfg.rollout.sglang.dp
@@ -137,6 +161,24 @@ def make_launch_plan(
     return plan
 
 
+def _plan_vllm(plan: LaunchPlan, cfg: Config, serve_nodes: list[str]) -> None:
+    """vLLM engines: each within one node (TP x DP GPUs), engines sharing a node on disjoint GPUs and ports."""
+    from megatron_search.rollout.sglang import ENGINE_PORT_STRIDE
+
+    v, per_node = cfg.rollout.vllm, cfg.cluster.gpus_per_node
+    gpus = v.tp * v.dp
+    if per_node % gpus:
+        raise LaunchError(f"rollout.vllm: an engine of TP x DP = {gpus} GPUs must divide a node of {per_node} GPUs "
+                          "(multi-node vLLM engines need its Ray or --nnodes setup, which this plan does not make)")
+    model = v.model_path or cfg.model.checkpoint or cfg.model.hf_config
+    per = per_node // gpus
+    for n, node in enumerate(serve_nodes):
+        for j in range(per):
+            port = v.base_port + ENGINE_PORT_STRIDE * j
+            argv = vllm_argv(cfg, model, port, list(range(j * gpus, (j + 1) * gpus)), engine_index=n * per + j)
+            plan.engines.append(Engine(node, port, argv))
+
+
 def to_shell(plan: LaunchPlan, addr_of=lambda n: n) -> str:
     """Shell assignments for slurm/lib.sh (values quoted; arrays for lists)."""
     q = shlex.quote
@@ -152,6 +194,7 @@ def to_shell(plan: LaunchPlan, addr_of=lambda n: n) -> str:
         f"MS_ENGINE_COUNT={len(plan.engines)}",
         f"MS_ENGINE_KEY_ENV={q(plan.api_key_env)}",
         f"MS_ENGINE_RESTARTS={plan.engine_restarts}",
+        f"MS_ENGINE_KIND={q(plan.engine_kind)}",
     ]
     for i, e in enumerate(plan.engines):
         lines.append(f"MS_ENGINE_NODE_{i}={q(e.node)}")
@@ -173,7 +216,7 @@ def describe(plan: LaunchPlan) -> str:
         lines.append(f"rollout nodes: {len(plan.rollout_nodes)} ({plan.rollout_nodes[0]}..{plan.rollout_nodes[-1]})")
     lines.append(f"engine API key: ${plan.api_key_env} in the environment of every engine and rank (generated per job "
                  "when unset; never on a command line)")
-    lines.append(f"SGLang engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes; one that exits is "
+    lines.append(f"{plan.engine_kind} engines: {len(plan.engine_urls())} ({len(plan.engines)} server processes; one that exits is "
                  f"started again, up to {plan.engine_restarts} times, and re-synced by the trainer)")
     for e in plan.engines:
         lines.append(f"  [{e.node}] {q(e.argv)}")

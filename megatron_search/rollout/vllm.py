@@ -447,3 +447,37 @@ def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[t
             raise failed[0]
         servers = [f.result() for f in futures]
     return RolloutEngines([VLLMClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
+
+
+def serve_argv(vllm_argv: Sequence[str], api_key_env: str, gpus: Optional[Sequence[int]] = None) -> list[str]:
+    """argv that runs `vllm_argv` (vllm_command's, from "-m" on) through this module's main: the key travels in
+    $api_key_env, never in argv; `gpus` become CUDA_VISIBLE_DEVICES (vLLM has no --base-gpu-id)."""
+    head = [sys.executable, "-m", "megatron_search.rollout.vllm", "--api-key-env", api_key_env]
+    if gpus is not None:
+        head += ["--gpus", ",".join(str(g) for g in gpus)]
+    return head + ["--", *vllm_argv]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m megatron_search.rollout.vllm --api-key-env NAME [--gpus 0,1] -- <python args of vllm serve>`:
+    exec vLLM with VLLM_API_KEY from $NAME (generated for the job when unset), VLLM_SERVER_DEV_MODE=1 and the GPUs,
+    so the Slurm plan's command line carries no key (rollout/sglang_serve.py does the same for SGLang)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="vLLM server with the job's API key from the environment")
+    p.add_argument("--api-key-env", required=True, metavar="NAME")
+    p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for the server (comma-separated)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    if not rest:
+        p.error("nothing to run after --")
+    env = vllm_env(args.api_key_env)
+    if args.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = args.gpus
+    os.execvpe(sys.executable, [sys.executable, *rest], env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
