@@ -225,3 +225,15 @@ def test_config_checks_and_launch_line():
     os.environ.setdefault("MS_TEST_VLLM_KEY", "k" * 32)
     env = vllm_env("MS_TEST_VLLM_KEY", {})
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": os.environ["MS_TEST_VLLM_KEY"]}
+
+
+def test_engine_urls_get_the_client_of_rollout_engine():
+    """Attached URLs (rollout.engine_urls, eval model URLs) are driven with the API rollout.engine names."""
+    from megatron_search.eval.run import open_engine
+    from megatron_search.rollout.sglang import SGLangClient
+
+    for engine, kind in (("vllm", VLLMClient), ("sglang", SGLangClient)):
+        cfg = load_config(None, [f"rollout.engine={engine}", "rollout.engine_urls=[http://127.0.0.1:9]"])
+        eng = start_engines(cfg, "/nonexistent-unused")
+        client, owned = open_engine("http://127.0.0.1:9", cfg)
+        assert type(eng.clients[0]) is kind and type(client) is kind and owned

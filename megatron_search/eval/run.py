@@ -57,6 +57,11 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
         from megatron_search.rollout.auth import key_from_env
         from megatron_search.rollout.sglang import SGLangClient
 
+        if cfg.rollout.engine == "vllm":  # engine URLs speak the API of rollout.engine
+            from megatron_search.rollout.vllm import VLLMClient
+
+            return VLLMClient(spec, cfg.rollout.vllm.request_timeout_s,
+                              api_key=key_from_env(cfg.rollout.api_key_env)), True
         return SGLangClient(spec, timeout_s=cfg.rollout.sglang.request_timeout_s,
                             api_key=key_from_env(cfg.rollout.api_key_env)), True
     if not (Path(spec) / "config.json").is_file():

@@ -100,6 +100,10 @@ class GRPORun:
         source = self.cfg.reference_source()
         if source == "urls":
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
+            if self.cfg.rollout.engine == "vllm":  # reference URLs speak the API of rollout.engine
+                from megatron_search.rollout.vllm import VLLMClient
+
+                reference = VLLMClient(self.cfg.grpo.reference_urls[0], self.cfg.rollout.vllm.request_timeout_s)
         elif source == "in_process":  # the frozen initial policy, in process (loads the first sync's checkpoint)
             reference = LocalEngine.from_config(self.cfg)
         else:  # rollout_engines: answered up front by the rollout engines (the first step's rollouts)
