@@ -13,4 +13,5 @@ demo: install
 	megatron-search demo
 
 test: install-dev
+	PYTHON=$(PY) bash scripts/fetch_vllm_contract.sh
 	$(PY) -m pytest -q -p no:cacheprovider tests
