@@ -11,6 +11,7 @@
 Only "stops by itself" waits are timed (generous deadlines); every count is exact.
 """
 import asyncio
+import gc
 import json
 import os
 import random
@@ -128,6 +129,7 @@ def test_256_rollouts_under_faults_all_classified_nothing_leaks(fault_servers):
     seen = {}
 
     async def go():
+        gc.collect()  # what earlier tests left for the collector closes now, not during the count
         fds0, tasks0 = open_fds(), asyncio.all_tasks()
         client = SGLangClient(engine_url, timeout_s=ENGINE_TIMEOUT_S)
         backend = SearxngBackend(search_url, timeout_s=SEARCH_TIMEOUT_S, retries=1, backoff_s=0.01)
@@ -141,7 +143,7 @@ def test_256_rollouts_under_faults_all_classified_nothing_leaks(fault_servers):
         seen["fds_open"], seen["conns_open"] = open_fds() - fds0, tcp_to(set(ports.values()))
         await client.close()
         await backend.aclose()
-        seen["closed"] = await settle(lambda: open_fds() == fds0 and tcp_to(set(ports.values())) == 0)
+        seen["closed"] = await settle(lambda: open_fds() <= fds0 and tcp_to(set(ports.values())) == 0)
         seen["fds_after"], seen["tasks_after"] = open_fds() - fds0, asyncio.all_tasks() - tasks0
         return results
 
@@ -179,7 +181,8 @@ def test_256_rollouts_under_faults_all_classified_nothing_leaks(fault_servers):
     assert search_stats["fast"] == n["clean"] + fault_turn1
     # nothing left running or open, on either side
     assert seen["tasks_left"] == set() and seen["tasks_after"] == set()
-    assert seen["closed"] and seen["fds_after"] == 0, seen
+    # <= 0: an earlier test's objects collected meanwhile may close fds of their own; a leak is a positive count
+    assert seen["closed"] and seen["fds_after"] <= 0, seen
     assert asyncio.run(settle(lambda: get_json(f"{engine_url}/stats")["open_connections"] == 0))
     assert proc.poll() is None
     print(f"\nload: {N} rollouts in {seen['run_s']:.1f} s, peak in flight {engine_stats['peak_inflight']}, "
@@ -320,6 +323,7 @@ def test_local_server_256_concurrent_rollouts_and_hangups(bpe, tmp_path):
         await warm.close()
         assert await settle(lambda: tcp_to({port}, pid) == 0)
         server_fds0 = psutil.Process(pid).num_fds()
+        gc.collect()  # what earlier tests left for the collector closes now, not during the count
         fds0, tasks0 = open_fds(), asyncio.all_tasks()
         client = CountingClient(server.url)
         agent = SearchAgent(client, ChatEncoder(bpe, ChatFormat("qwen3")), SearchTool(NoSearch()), settings)
@@ -334,7 +338,7 @@ def test_local_server_256_concurrent_rollouts_and_hangups(bpe, tmp_path):
         after = await client.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0)))
         seen["serving"] = len(after.output_ids) == 3 and await client.health()
         await client.close()
-        seen["client_closed"] = await settle(lambda: open_fds() == fds0 and tcp_to({port}) == 0)
+        seen["client_closed"] = await settle(lambda: open_fds() <= fds0 and tcp_to({port}) == 0)
         seen["server_closed"] = await settle(
             lambda: tcp_to({port}, pid) == 0 and psutil.Process(pid).num_fds() <= server_fds0, deadline_s=60)
         seen["server_fds"] = (server_fds0, psutil.Process(pid).num_fds())
