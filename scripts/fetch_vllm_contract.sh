@@ -9,7 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEST=${MS_VLLM_CONTRACT_PATH:-.cache/vllm-contract-0.33.0}
-if [ -f "$DEST/vllm/_version.py" ] && grep -q "0.33.0" "$DEST/vllm/_version.py"; then
+REQS=scripts/vllm-contract-requirements.txt
+STAMP=$(sha256sum "$REQS" | cut -d' ' -f1)
+if [ -f "$DEST/vllm/_version.py" ] && grep -q "0.33.0" "$DEST/vllm/_version.py" \
+   && [ "$(cat "$DEST/.requirements.sha256" 2>/dev/null)" = "$STAMP" ]; then
   echo "vLLM 0.33.0 contract sources already in $DEST"; exit 0
 fi
 tmp=$(mktemp -d)
@@ -25,5 +28,6 @@ with zipfile.ZipFile(wheel) as z:
     z.extractall(dest, members=keep)
 print(f"extracted {len(keep)} files of {wheel.name} into {dest}")
 PYEOF
-"$PY" -m pip install --quiet --no-deps --target "$DEST" -r scripts/vllm-contract-requirements.txt
+"$PY" -m pip install --quiet --no-deps --upgrade --target "$DEST" -r "$REQS"
+echo "$STAMP" > "$DEST/.requirements.sha256"  # a changed requirements file fetches again
 du -sh "$DEST"
