@@ -223,14 +223,9 @@ def test_sft_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
     assert _tensorboard_steps(run / "tensorboard") == list(range(1, STEPS + 1))
 
 
-GRPO_STEPS = 8  # long enough that the signal lands mid-run
-
-
-def test_grpo_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path):
-    """GRPO through slurm/grpo_tiny.sh: rollouts on rank 0's CPU engine against the embedded search index,
-    reward model scores, token-IS updates over EP=2 across n1 and n2. The batch shell gets USR1 once the
-    first step is logged: both ranks checkpoint where they are and exit, lib.sh requeues the job, and the
-    requeued run resumes from that checkpoint and completes the remaining steps (issue 25.3)."""
+def test_grpo_tiny_job_completes(cluster, tmp_path):
+    """GRPO through slurm/grpo_tiny.sh: rollouts on rank 0's CPU engine against the embedded search
+    index, reward model scores, token-IS updates over EP=2 across n1 and n2; 2 steps and a checkpoint."""
     from _grpo_fixture import build
 
     fx = build(tmp_path / "world")
@@ -238,49 +233,24 @@ def test_grpo_tiny_job_completes_after_preemption_and_requeue(cluster, tmp_path)
     run = tmp_path / "run"
     log = tmp_path / "job.out"
     job = _submit(env, "slurm/grpo_tiny.sh", log, [*fx["common"], f"data.qa_path={fx['qa']}", "data.mix={qa: 1.0}",
-                                                  f"rm.load={fx['rm']}", f"run.output_dir={run}",
-                                                  f"grpo.steps={GRPO_STEPS}", "checkpoint.save_interval=1000"])
+                                                  f"rm.load={fx['rm']}", f"run.output_dir={run}"])
     try:
-        # "step 0 |" is printed after the first step: training runs with its signal handler installed.
-        _wait(env, job, log, lambda i: i.get("JobState") == "RUNNING" and "step 0 |" in _tail(log, 10**6),
-              "training", 400)
-        sig = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True,
-                             timeout=30)
-        assert sig.returncode == 0, sig.stderr
-        _wait(env, job, log, lambda i: int(i.get("Restarts", 0)) >= 1, "requeued", 240)
-        _wait(env, job, log, lambda i: i.get("JobState") == "PENDING" and _nodes_idle(env), "pending on idle nodes",
-              120)
-        time.sleep(2)  # margin: the previous run's step credentials were revoked moments ago
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True,
-                       timeout=30)
         info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 400)
     finally:
         if _job(env, job).get("JobState") not in TERMINAL:
             subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
     text = _tail(log, 10**7)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text[-4000:]}"
-    assert info["Restarts"] == "1"
-    _assert_ranks_logged(text, runs=2)
-    assert "preemption signal: asking training to checkpoint, then requeueing job" in text
-    saved = re.search(r"grpo: signal \d+: checkpoint saved at step (\d+)", text)
-    assert saved, text[-4000:]
-    k = int(saved.group(1))
-    assert 1 <= k < GRPO_STEPS
-    assert "restart 1: resuming from the latest checkpoint" in text
+    _assert_ranks_logged(text, runs=1)
     ckpt = run / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == f"step_{GRPO_STEPS:08d}"
-    for step in (k, GRPO_STEPS):
-        d = ckpt / f"step_{step:08d}"
-        assert (d / "model_optim" / "metadata.json").is_file() and f'"iteration": {step},' in (d / "trainer.json").read_text()
-    # One event file per run: steps 0..k-1, then k..GRPO_STEPS-1 (resumed, not restarted).
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    d = ckpt / "step_00000002"
+    assert (d / "model_optim" / "metadata.json").is_file() and '"iteration": 2,' in (d / "trainer.json").read_text()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    steps = []
-    for f in sorted((run / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
-        acc = EventAccumulator(str(f), purge_orphaned_data=False)
-        acc.Reload()
-        steps += [e.step for e in acc.Scalars("reward/mean")]
-    assert steps == list(range(GRPO_STEPS)), steps
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [0, 1]
     assert (run / "final_weights" / "model.safetensors").is_file()
 
 
