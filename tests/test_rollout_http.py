@@ -26,7 +26,8 @@ from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.sglang import SGLangClient
 from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
-from megatron_search.rollout.weight_group import open_weight_group, send_named_tensors
+from megatron_search.rollout.local_weights import weights_sha256
+from megatron_search.rollout.weight_group import FLAT, open_weight_group, send_flat_bucket, send_named_tensors
 from megatron_search.search.base import SearchBackend, SearchResult
 from megatron_search.search.tool import SearchTool
 
@@ -116,6 +117,12 @@ def test_agent_64_concurrent_rollouts_over_http(server, tokenizer, model_a):
     assert worst < 1e-4, worst
 
 
+async def served_sha256(url: str) -> dict[str, str]:
+    async with aiohttp.ClientSession(headers=bearer_header(key_from_env())) as s:
+        async with s.get(f"{url}/local/weights_sha256") as resp:
+            return (await resp.json())["sha256"]
+
+
 def test_weight_updates_over_http(server, model_a, tmp_path):
     model_b = load_hf_model(MODEL, seed=1)
     prompt = [11, 22, 33, 44, 55, 66]
@@ -150,6 +157,26 @@ def test_weight_updates_over_http(server, model_a, tmp_path):
                 asyncio.to_thread(send_named_tensors, group, named))
             r = await client.generate(greedy)
             assert (r.output_ids, r.weight_version) == (want_b, "v3")
+
+            # flattened buckets without a version (the weight sync's): each is copied into the model while the
+            # next is received; a bucket refused after its bytes arrived (a bad name at its end) writes nothing
+            flat = [(n, p.detach()) for n, p in model_a.named_parameters()]
+            good, rest = flat[:len(flat) // 2], flat[len(flat) // 2:]
+            bad = rest + [("lm_headd.weight", torch.zeros(4, 64))]
+            for bucket in (good, bad):
+                push = client.update_weights_from_distributed(
+                    [n for n, _ in bucket], [t.dtype for _, t in bucket], [list(t.shape) for _, t in bucket], "wg",
+                    weight_version=None, flush_cache=False, load_format=FLAT)
+                sent = asyncio.to_thread(send_flat_bucket, group, bucket)
+                if bucket is good:
+                    await asyncio.gather(push, sent)
+                else:
+                    with pytest.raises(EngineError, match="lm_headd.weight: no such parameter"):
+                        await asyncio.gather(push, sent)
+            held = await served_sha256(server.url)
+            want = {**weights_sha256(model_b), **{n: h for n, h in weights_sha256(model_a).items()
+                                                 if n in dict(good)}}
+            assert held == want and any(held[n] != weights_sha256(model_a)[n] for n, _ in rest)
             await client.destroy_weights_update_group("wg")
 
             with pytest.raises(EngineError, match="lm_headd.weight: no such parameter"):

@@ -12,7 +12,8 @@ and the peak extra resident memory on rank 0 during export, next to the bucket s
 The ratio export / memcpy is the figure of merit; on these CPUs gloo bounds it (FACTS.md).
 Then the GRPO path itself: `WeightSync` (owner-parallel, both ranks sending, disaggregated broadcast
 groups) into a local engine server in its own process, against a raw gloo broadcast of the same
-bytes by the same two processes; the ratio raw time / sync time is printed.
+bytes by the same two processes; the ratio raw time / sync time is printed, and the CPU seconds per GB
+that each process spent on either (the push's work is spread over three processes on the same cores).
 
     python tools/bench_weight_sync.py [--gb 1.0] [--buckets-mb 64,256]
 """
@@ -76,9 +77,11 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total: int) -> dict:
+def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total: int, engine_pid: int) -> dict:
     """Best-of-`repeats` seconds of WeightSync.push into the engine, and of a raw gloo broadcast of `total` bytes
-    in bucket-sized messages; the two alternate, so both see the same machine (its other load varies)."""
+    in bucket-sized messages; the two alternate, so both see the same machine (its other load varies). Also the
+    CPU seconds each try took in every process (both ranks, and the engine server for the push)."""
+    import psutil
     import torch.distributed as dist
 
     from megatron_search.rollout.sglang import SGLangClient
@@ -88,15 +91,24 @@ def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total:
                       rank_node=[0] * dist.get_world_size(), owns_engines=True)
     msg = torch.empty(bucket_mb << 20, dtype=torch.uint8)
     best = raw = None
-    sync_all, raw_all = [], []
+    sync_all, raw_all, cpu_all = [], [], []
+    engine = psutil.Process(engine_pid)
+
+    def engine_cpu() -> float:
+        t = engine.cpu_times()
+        return t.user + t.system
+
     for i in range(repeats):
         dist.barrier()
+        c0, e0 = time.process_time(), engine_cpu()
         t0 = time.perf_counter()
         sync.push(chunks, arch, ctx.groups, version=f"bench-{i}")
         dt = time.perf_counter() - t0
+        cpu = [time.process_time() - c0, engine_cpu() - e0]
         best = dt if best is None else min(best, dt)
         sync_all.append(dt)
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         left = total
         while left > 0:
@@ -107,11 +119,16 @@ def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total:
         dt = time.perf_counter() - t0
         raw = dt if raw is None else min(raw, dt)
         raw_all.append(dt)
+        cpu_t = torch.tensor(cpu + [time.process_time() - c0], dtype=torch.float64)  # push, engine, raw
+        every = [torch.empty_like(cpu_t) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, cpu_t)
+        cpu_all.append([t.tolist() for t in every])
     sync.close()
-    return {"sync_s": best, "raw_broadcast_s": raw, "sync_all": sync_all, "raw_all": raw_all}
+    return {"sync_s": best, "raw_broadcast_s": raw, "sync_all": sync_all, "raw_all": raw_all, "cpu_all": cpu_all}
 
 
-def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_repeats: int, grpo_only: bool) -> dict:
+def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_repeats: int, grpo_only: bool,
+          engine_pid: int) -> dict:
     import torch.distributed as dist
 
     from megatron_search.config.loader import load_config
@@ -136,7 +153,7 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_re
     sent = int(sent_t)
     out.update(total_bytes=total, shipped_bytes=sent)
     if grpo_only:
-        out["grpo"] = _grpo_path(chunks, arch, ctx, url, max(buckets_mb), grpo_repeats, total)
+        out["grpo"] = _grpo_path(chunks, arch, ctx, url, max(buckets_mb), grpo_repeats, total, engine_pid)
         ctx.teardown()
         return out
 
@@ -196,7 +213,7 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_re
                                 "buckets": len(exporter.buckets)})
     if loop is not None:
         loop.run_until_complete(engine.close())
-    out["grpo"] = _grpo_path(chunks, arch, ctx, url, max(buckets_mb), grpo_repeats, total)
+    out["grpo"] = _grpo_path(chunks, arch, ctx, url, max(buckets_mb), grpo_repeats, total, engine_pid)
     ctx.teardown()
     return out
 
@@ -234,7 +251,8 @@ def main() -> None:
         (Path(tmp) / "config.json").write_text(json.dumps(model_config(args.gb)))
         server = launch_local_server(None, [f"model.hf_config={tmp}"], Path(tmp) / "engine.log", timeout_s=600)
         try:
-            res = run_ranks(_rank, 2, tmp, buckets, args.repeats, server.url, args.grpo_repeats, args.grpo_only)[0]
+            res = run_ranks(_rank, 2, tmp, buckets, args.repeats, server.url, args.grpo_repeats, args.grpo_only,
+                            server.proc.pid)[0]
         finally:
             server.stop()
     total = res["total_bytes"]
@@ -250,6 +268,18 @@ def main() -> None:
           f"{len(g['sync_all'])} each, alternating; target >= 0.5)")
     print("  each try (s): sync " + " ".join(f"{t:.2f}" for t in g["sync_all"]) + " | raw "
           + " ".join(f"{t:.2f}" for t in g["raw_all"]))
+    # CPU seconds per GB, median over the tries after the first (which opens the groups and allocates)
+    tries = g["cpu_all"][1:] or g["cpu_all"]
+
+    def med(xs):
+        return sorted(xs)[len(xs) // 2] / gb
+
+    sync_cpu = [med([t[r][0] for t in tries]) for r in range(len(tries[0]))] + [med([t[0][1] for t in tries])]
+    raw_cpu = [med([t[r][2] for t in tries]) for r in range(len(tries[0]))]
+    print(f"CPU s/GB    sync: " + " + ".join(f"rank {r} {c:.2f}" for r, c in enumerate(sync_cpu[:-1]))
+          + f" + engine {sync_cpu[-1]:.2f} = {sum(sync_cpu):.2f} | raw: "
+          + " + ".join(f"rank {r} {c:.2f}" for r, c in enumerate(raw_cpu)) + f" = {sum(raw_cpu):.2f} "
+          f"(median; on {os.cpu_count()} cores a push needs at least {sum(sync_cpu) / os.cpu_count():.2f} s/GB)")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ leave the batch at the end of the step, their state kept in the prefix store. Co
 (weight updates, flush, pause) take the same lock as a step, so they happen between steps, never
 inside one. All torch work (the model's load included) runs on one worker thread of
 the engine, so an HTTP server on the same event loop keeps answering and the process has one
-OpenMP team (see `__init__`). The model runs on `device` (CPU by default, or one CUDA device); sampling
-stays on the host (local_runner.py), so seeded requests give the same tokens on either.
+OpenMP team (see `__init__`); only broadcast weights are received on a thread of their own (no
+OpenMP there), so that one bucket is copied into the model while the next arrives. The model runs
+on `device` (CPU by default, or one CUDA device); sampling stays on the host (local_runner.py), so
+seeded requests give the same tokens on either.
 
 Logprobs are fp32 log-softmax of logits / temperature (the sampling distribution, before top-p
 truncation), or of the raw logits with `return_original_logprob` (SGLang's env switch of the
@@ -32,7 +34,8 @@ import torch
 
 from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
 from .local_runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
-from .local_weights import check_dtypes, load_named_tensors, read_safetensors_dir
+from .local_weights import (check_dtypes, load_named_tensors, plan_named_tensors, read_safetensors_dir,
+                            weights_sha256, write_plan)
 from .types import FinishReason, GenerateRequest, GenerateResult
 from .weight_group import (FLAT, close_weight_group, grow_buffer, open_weight_group, receive_flat_bucket,
                            receive_named_tensors)
@@ -155,7 +158,12 @@ class LocalEngine(Engine):
         self._weight_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._groups: dict[str, object] = {}
         self._group_devices: dict[str, torch.device] = {}  # where each group's broadcasts land (CUDA for NCCL)
-        self._flat_buffer: Optional[torch.Tensor] = None  # flattened buckets land here, bucket after bucket
+        # Broadcast weights are received on a thread of their own, into two flat buffers in turn, and copied into
+        # the model on the worker: bucket k's copy overlaps bucket k+1's receive (see update_weights_from_distributed)
+        self._receiver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine-recv")
+        self._flat_buffers: list[Optional[torch.Tensor]] = [None, None]
+        self._copies: list[Optional[concurrent.futures.Future]] = [None, None]  # each buffer's copy, still pending
+        self._slot = 0  # the buffer the last bucket went to
         self._session = False  # a weight-update session is open (begin/end_weight_update)
         self.steps = 0
 
@@ -354,6 +362,7 @@ class LocalEngine(Engine):
         async with self._lock:
             if abort_all:
                 self._abort_all("aborted for a weight update")
+            await self._settle()
             result = await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
         self._wake.set()
         return result
@@ -400,6 +409,18 @@ class LocalEngine(Engine):
         if not self._session:
             raise EngineError("end_weight_update: no weight-update session is open")
         self._session = False
+        await self._settle()  # the session's last copies are in the model (a failed one raises here)
+
+    async def _settle(self, *slots: int) -> None:
+        """Wait for the deferred copies into the model (of these buffers; default all); one that failed raises."""
+        for i in slots or range(len(self._copies)):
+            copy, self._copies[i] = self._copies[i], None
+            if copy is not None:
+                await asyncio.wrap_future(copy)
+
+    async def weights_sha256(self) -> dict[str, str]:
+        """sha256 of every parameter by name, once every update received so far is in the model."""
+        return await self._control(weights_sha256, self.runner.model)
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> None:
         def run():
@@ -454,17 +475,37 @@ class LocalEngine(Engine):
         if group is None:
             raise EngineError(f"update_weights_from_distributed: no group {group_name!r}; call init_weights_update_group")
         torch_dtypes = check_dtypes(dtypes)
+        device = self._group_devices[group_name]
 
-        def run():
-            device = self._group_devices[group_name]
+        def receive(slot: int):
             if load_format == FLAT:
-                self._flat_buffer = grow_buffer(self._flat_buffer, torch_dtypes, shapes, device)
-                named = receive_flat_bucket(group, names, torch_dtypes, shapes, device=device, buffer=self._flat_buffer)
+                self._flat_buffers[slot] = grow_buffer(self._flat_buffers[slot], torch_dtypes, shapes, device)
+                named = receive_flat_bucket(group, names, torch_dtypes, shapes, device=device,
+                                            buffer=self._flat_buffers[slot])
             else:
                 named = receive_named_tensors(group, names, torch_dtypes, shapes, device=device)
-            load_named_tensors(self.runner.model, named)
-            self._after_update(weight_version, flush_cache)
-        await self._control(run, abort_all=abort_all_requests)
+            return plan_named_tensors(self.runner.model, named)[0]  # a bad name or shape raises before any write
+
+        # The bucket is received (on the receiver thread) and checked whole; its copy into the model is queued on
+        # the worker, and the answer does not wait for it when it carries no version and no flush (the weight
+        # sync's buckets): the sender's next bucket then arrives while this one is copied. Everything that reads
+        # the weights (steps, version, flush, digest, release) runs on the worker after the copy, and the
+        # buffer is received into again only once its copy is done (_settle), so no answer reports weights the
+        # model does not hold yet. Costs one more bucket of receive buffer.
+        self._ensure_loop()
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            if abort_all_requests:
+                self._abort_all("aborted for a weight update")
+            slot = self._slot = 1 - self._slot
+            await self._settle(slot)
+            copy = self._worker.submit(write_plan, await loop.run_in_executor(self._receiver, receive, slot))
+            if weight_version is None and not flush_cache:
+                self._copies[slot] = copy
+            else:
+                await asyncio.wrap_future(copy)
+                await loop.run_in_executor(self._worker, self._after_update, weight_version, flush_cache)
+        self._wake.set()
 
     async def destroy_weights_update_group(self, group_name="weight_update_group"):
         group = self._groups.pop(group_name, None)
@@ -472,7 +513,7 @@ class LocalEngine(Engine):
             raise EngineError(f"destroy_weights_update_group: no group {group_name!r}")
         self._group_devices.pop(group_name, None)
         if not self._groups:
-            self._flat_buffer = None
+            self._flat_buffers = [None, None]
         close_weight_group(group)
 
     async def flush_cache(self) -> None:
@@ -523,7 +564,7 @@ class LocalEngine(Engine):
 
             def run():
                 if "weights" in tags and "weights" not in self._released:
-                    self._flat_buffer = None
+                    self._flat_buffers = [None, None]
                     for name, p in self.runner.model.named_parameters():
                         self._weight_shapes[name] = (p.shape, p.dtype)
                         p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -343,10 +343,8 @@ async def get_weight_version(request: web.Request, engine: LocalEngine) -> web.R
 @handler
 async def weights_sha256(request: web.Request, engine: LocalEngine) -> web.Response:
     """Not an SGLang endpoint (hence the /local prefix): per-parameter sha256, for bitwise weight-sync checks."""
-    from .local_weights import weights_sha256 as digest
-
-    return web.json_response({"weight_version": engine.weight_version,
-                              "sha256": await asyncio.to_thread(digest, engine.runner.model)})
+    digest = await engine.weights_sha256()
+    return web.json_response({"weight_version": engine.weight_version, "sha256": digest})
 
 
 @handler

@@ -5,8 +5,9 @@ Accepted names: the model's own parameter names (fused experts `mlp.experts.gate
 checkpoint names `mlp.experts.{j}.{gate,up,down}_proj.weight` (Qwen3-MoE checkpoints), which
 land in the matching slice of the fused tensor. `mtp.*` tensors are skipped: transformers
 builds no MTP layers, and this engine does no speculative decoding. Every name and shape is
-checked, and every tensor converted to its parameter's dtype, before the first byte is written:
-a bad update (the third tensor misshapen, say) leaves the previous weights serving.
+checked before the first byte is written: a bad update (the third tensor misshapen, say) leaves the
+previous weights serving. The writes are one `copy_` per tensor (which also casts to the
+parameter's dtype): no converted or cloned temporaries.
 """
 from __future__ import annotations
 
@@ -47,13 +48,17 @@ def _target(params: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, t
     raise WeightUpdateError(f"{name}: no such parameter in the served model{hint}")
 
 
-def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-    """Copy tensors into `model` by HF name. Returns (loaded, skipped). Atomic on error.
+Plan = list[tuple[torch.Tensor, torch.Tensor]]  # (destination view of a parameter, received tensor)
 
-    Checks and dtype conversions (the steps that can fail) run over the whole update first; the
-    writes are plain copies into existing storage."""
+
+def plan_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[Plan, int]:
+    """Check a whole update against `model` without writing: (the copies to make, tensors skipped).
+
+    Every check is per tensor (name, shape, floating dtype), none reads the bytes; a bad tensor anywhere
+    raises before the first write. A dtype that differs from the parameter's is converted by the copy itself
+    (`copy_` casts), so no converted temporary is made."""
     params = dict(model.named_parameters())
-    plan = []
+    plan: Plan = []
     skipped = 0
     for name, tensor in named:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
@@ -68,10 +73,23 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
             raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(view.shape)}")
         if not (tensor.is_floating_point() and dest.is_floating_point()):
             raise WeightUpdateError(f"{name}: dtype {tensor.dtype} is not a floating point weight")
-        plan.append((dest, index, tensor.to(dest.dtype)))  # on the tensor's own device: no second copy on the model's
+        plan.append((view, tensor))
+    return plan, skipped
+
+
+def write_plan(plan: Plan) -> None:
+    """The writes of a checked update: one copy per tensor into the parameter's storage (cast and moved to
+    its dtype and device on the way). Nothing here can fail on a plan from `plan_named_tensors`."""
     with torch.no_grad():
-        for dest, index, tensor in plan:
-            (dest[index] if index else dest).copy_(tensor)
+        for view, tensor in plan:
+            view.copy_(tensor)
+
+
+def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """Copy tensors into `model` by HF name. Returns (loaded, skipped). Atomic on error: everything is checked
+    (`plan_named_tensors`) before the first byte is written (`write_plan`)."""
+    plan, skipped = plan_named_tensors(model, named)
+    write_plan(plan)
     return len(plan), skipped
 
 
