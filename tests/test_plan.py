@@ -127,6 +127,8 @@ def test_weight_sync_estimate_for_397b_from_the_send_plan():
     # the issue's back-of-envelope floor (793 GB x 31/32 / 400 GB/s) is the same order: 1.9 s
     assert 1.7 < rep.floor_seconds < 2.0
     assert rep.planned.seconds >= rep.floor_seconds  # nothing beats the NICs
+    assert rep.planned.seconds <= 2.0  # issue 19's target: rounds balanced by the edge colouring
+    assert rep.planned.nic_seconds <= 1.02 * rep.floor_seconds + 0.02  # the busiest rank's NIC, whole sync
     assert rep.planned.max_over_mean <= 1.2
     # the funnel's rank 0 posts the whole model to each of the 32 engines
     assert rep.funnel.max_rank_sent_gb * 1e9 >= 32 * total

@@ -21,6 +21,7 @@ from megatron_search.rollout.sglang import SGLangClient
 from megatron_search.weights.delivery import WeightSync
 from megatron_search.weights.export import export_hf_weights
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
+from megatron_search.weights.send_plan import LinkCosts
 
 NODE_ENV = "MEGATRON_SEARCH_NODE"
 
@@ -66,12 +67,13 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
 
         clients = [VLLMClient(u, r.vllm.request_timeout_s, moe_shape) for u in urls]
     rank_node = node_ids()
+    engine_node = engine_nodes(cfg, len(clients), rank_node)
     mode = r.resolved_weight_sync()
     sync = WeightSync(
         clients, mode, bucket_bytes=cfg.weight_bucket_bytes(), inflight=r.inflight_on_update,
         disk_dir=Path(r.weight_sync_dir) if r.weight_sync_dir else output_dir / "weight_sync",
         sender_address=_sender_address(urls), rank_node=rank_node,
-        engine_node=engine_nodes(cfg, len(clients), rank_node),
+        engine_node=engine_node, link_costs=LinkCosts.for_cluster(cfg.cluster, colocated=engine_node is not None),
         engine_ranks=[r.sglang.tp * r.sglang.dp if r.engine == "sglang" else 1] * len(clients),
         backend="nccl" if torch.cuda.is_available() else "gloo", owns_engines=True,
     )

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from megatron_search.config.hf import Architecture
 from megatron_search.distributed import collectives as coll
 from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
-from megatron_search.weights.send_plan import (Destination, colocated_destinations, disaggregated_destination)
+from megatron_search.weights.send_plan import (Destination, LinkCosts, colocated_destinations,
+                                               disaggregated_destination)
 
 Mode = Literal["tensor", "distributed", "disk"]
 Inflight = Literal["abort", "finish"]
@@ -77,7 +78,7 @@ class WeightSync:
                  engine_ranks: Optional[Sequence[int]] = None, group_name: str = "weight_update_group",
                  rank_node: Optional[Sequence[int]] = None, engine_node: Optional[Sequence[int]] = None,
                  world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None,
-                 owns_engines: bool = False):
+                 owns_engines: bool = False, link_costs: Optional[LinkCosts] = None):
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk, got {mode!r}")
         if inflight not in ("abort", "finish"):
@@ -105,6 +106,8 @@ class WeightSync:
             raise ValueError(f"engine_node has {len(self.engine_node)} entries for {len(self.engines)} engines")
         self.destinations = destinations_for(self.rank_node, self.engine_node, len(self.engines), mode != "tensor",
                                              senders)
+        # what the send plan balances (the planner prices the same plan with the same costs)
+        self.link_costs = link_costs or LinkCosts(delivery="nvlink" if self.engine_node is not None else "nic")
         self.version = 0
         self._group = None  # this rank's broadcast group (distributed mode, opened on first use)
         self._moves = None  # the export's own copy of the training world (shard moves, opened on first use)
@@ -191,7 +194,7 @@ class WeightSync:
         if self._exporter is None or self._exporter_key != key:
             self._exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, out_dtype=self.out_dtype,
                                         world_group=self.world_group, destinations=self.destinations,
-                                        rank_node=self.rank_node)
+                                        rank_node=self.rank_node, link_costs=self.link_costs)
             self._exporter_key = key
         return self._exporter
 

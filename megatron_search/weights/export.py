@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import MappingError, Match
 from megatron_search.weights.params import LocalParam, local_params, model_mapping, padded_vocab_size
-from megatron_search.weights.send_plan import Destination, ParamShards, SendPlan, build_send_plan
+from megatron_search.weights.send_plan import Destination, LinkCosts, ParamShards, SendPlan, build_send_plan
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -118,7 +118,8 @@ class HFExporter:
 
     def __init__(self, model_chunks, arch: Architecture, groups, bucket_bytes: int, *, dst_rank: int = 0,
                  out_dtype: Optional[torch.dtype] = None, world_group=None,
-                 destinations: Optional[Sequence[Destination]] = None, rank_node: Optional[Sequence[int]] = None):
+                 destinations: Optional[Sequence[Destination]] = None, rank_node: Optional[Sequence[int]] = None,
+                 link_costs: Optional[LinkCosts] = None):
         if bucket_bytes <= 0:
             raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_group = world_group
@@ -137,7 +138,8 @@ class HFExporter:
         if destinations is None:
             destinations = [Destination(f"rank{dst_rank}", (), (dst_rank,))]
         self.plan: SendPlan = build_send_plan(self.param_shards(), destinations,
-                                              rank_node if rank_node is not None else [0] * self.world, bucket_bytes)
+                                              rank_node if rank_node is not None else [0] * self.world, bucket_bytes,
+                                              link_costs)
 
     # ---- planning (identical on every rank) ---------------------------------------------------
     def _plan_entries(self) -> list[PlanEntry]:
