@@ -114,6 +114,9 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     assert natural and all(0.0 <= a <= 1.0 for a in natural)
     # routing replay: the engine returns each token's experts and training routes exactly there
     check_run(tmp_path / "replay", 2)
+    # a checkpoint after the last step although save_interval (the default) does not divide grpo.steps
+    final = sorted(p.name for p in (tmp_path / "replay" / "checkpoints").glob("step_*"))
+    assert final == ["step_00000002"], final
     forced = scalars(tmp_path / "replay", "train/routing_agreement")
     assert forced and all(a == 1.0 for a in forced)
 

@@ -217,7 +217,8 @@ class GRPORun:
             self.metrics.update(self.colocate.metrics)
 
     def end_step(self, step: int) -> None:
-        """Held-out evaluation when due (driver), the step's metrics (driver), a checkpoint when due (every rank)."""
+        """Held-out evaluation when due (driver), the step's metrics (driver), a checkpoint when due and after the
+        last step, as SFT does (every rank)."""
         g = self.cfg.grpo
         due = g.eval_interval and ((step + 1) % g.eval_interval == 0 or self.trainer.iteration >= g.steps)
         if self.is_driver and due:
@@ -226,7 +227,7 @@ class GRPORun:
             self.writer.scalars(step, self.metrics)
             if step % self.cfg.logging.log_interval == 0:
                 print(format_line(step, self.metrics, LOGGED), flush=True)
-        if self.trainer.should_save():
+        if self.trainer.should_save() or self.trainer.iteration >= g.steps:
             self.colocate.ensure_resident()  # gradients and optimizer state left for the push
             self.trainer.save(extra=_broadcast(self._driver_state()))
 

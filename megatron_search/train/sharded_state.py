@@ -39,10 +39,12 @@ def _optim_metadata() -> dict:
 
 
 def _prime_fresh_distributed_optimizer(optimizer) -> None:
-    """Give a never-stepped DistributedOptimizer zero-filled Adam state before a load.
+    """Give a never-stepped DistributedOptimizer zero-filled Adam state before a load or a save.
 
     Without Transformer Engine / Apex its state_dict() reads every parameter's torch-Adam "step",
-    which does not exist before the first step; the load then overwrites these zeros.
+    which does not exist before the first step (Megatron asserts on the empty set). Zero moments at
+    step 0 are exactly what torch's Adam creates at its first step, so a run whose every step was
+    skipped (GRPO: no group with signal) saves, and resumes, as if fresh; a load overwrites them.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -101,8 +103,7 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     model_sd = {}
     for i, chunk in enumerate(model):
         model_sd[f"model{i}"] = chunk.sharded_state_dict()
-    if is_loading:
-        _prime_fresh_distributed_optimizer(optimizer)
+    _prime_fresh_distributed_optimizer(optimizer)
     merged = {}
     for sd in model_sd.values():
         merged.update(sd)
