@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_search.config.hf import Architecture
-from megatron_search.weights.send_plan import (LinkCosts, LinkLoad, ParamShards, SendPlan, build_send_plan, colocated_destinations,
-                                               disaggregated_destination, funnel_plan)
+from megatron_search.weights.send_plan import (LinkCosts, LinkLoad, ParamShards, SendPlan, build_send_plan,
+                                               colocated_destinations, disaggregated_destination, funnel_plan)
 
 from .params import count_params
 
@@ -107,7 +107,7 @@ def _round_loads(plan: SendPlan, rank_node: list[int], costs: LinkCosts) -> list
 
 
 def estimate_sync(name: str, plan: SendPlan, rank_node: list[int], engine_node: list[int] | None, costs: LinkCosts,
-              nic_node: float, turns: bool) -> SyncEstimate:
+                  nic_node: float, turns: bool) -> SyncEstimate:
     """Time of the sync as weights/delivery.py runs it: round k+1's shard moves travel while round k is
     delivered (export.StagedRounds), so stage j is moves(j) beside deliveries(j - 1), and the stages follow
     one another. Within a stage a rank is busy for its busier link; with `turns` (a broadcast per sender)
@@ -119,12 +119,7 @@ def estimate_sync(name: str, plan: SendPlan, rank_node: list[int], engine_node: 
     for j in range(len(rounds) + 1):
         moves = rounds[j][0] if j < len(rounds) else empty[0]
         _, deliveries, engine_in = rounds[j - 1] if j > 0 else empty
-        both = LinkLoad(world, costs)
-        for side in (moves, deliveries):
-            for attr in ("nic_out", "nic_in", "nvl_out", "nvl_in"):
-                acc, add = getattr(both, attr), getattr(side, attr)
-                for r in range(world):
-                    acc[r] += add[r]
+        both = LinkLoad(world, costs).add(moves).add(deliveries)
         if turns:
             stage = max(max(map(moves.time, range(world))), sum(map(deliveries.time, range(world))))
         else:
@@ -137,11 +132,7 @@ def estimate_sync(name: str, plan: SendPlan, rank_node: list[int], engine_node: 
         total += stage
     whole = LinkLoad(world, costs)
     for moves, deliveries, _ in rounds:
-        for side in (moves, deliveries):
-            for attr in ("nic_out", "nic_in", "nvl_out", "nvl_in"):
-                acc, add = getattr(whole, attr), getattr(side, attr)
-                for r in range(world):
-                    acc[r] += add[r]
+        whole.add(moves).add(deliveries)
     sent = plan.sent_bytes()
     mean = sum(sent) / max(len(sent), 1)
     return SyncEstimate(name, total, max(sent) / 1e9, max(sent) / mean if mean else 0.0,
@@ -188,7 +179,7 @@ def weight_sync_report(cfg, train_gpus: int) -> SyncReport:
         planned = build_send_plan(params, disaggregated_destination(train_gpus, n_engines, broadcast), rank_node, bucket,
                                   over_nic)
         est = estimate_sync("owner-parallel, broadcast turns" if broadcast else "owner-parallel, HTTP", planned,
-                        rank_node, engine_node, over_nic, nic, turns=broadcast)
+                            rank_node, engine_node, over_nic, nic, turns=broadcast)
         model = sum(q.hf_bytes for q in params)
         floor_s, floor_gb = model / nic, model / 1e9  # every engine node receives the whole model
     funnel = funnel_plan(params, train_gpus, 0, bucket, engines=tuple(range(n_engines)))

@@ -106,6 +106,14 @@ class LinkLoad:
         else:
             self.nic_out[sender] += sign * nbytes
 
+    def add(self, other: "LinkLoad") -> "LinkLoad":
+        """Add `other`'s bytes, rank by rank and direction by direction (links carrying both at once)."""
+        for mine, theirs in ((self.nic_out, other.nic_out), (self.nic_in, other.nic_in),
+                             (self.nvl_out, other.nvl_out), (self.nvl_in, other.nvl_in)):
+            for r, b in enumerate(theirs):
+                mine[r] += b
+        return self
+
 
 @dataclass(frozen=True)
 class Assignment:
