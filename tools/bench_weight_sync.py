@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Weight-sync throughput on CPU: export (TP=2 gather to rank 0) and export + delivery into a local engine.
 
-A Qwen3-MoE model of about `--gb` GB (fp32, random weights) is built at TP=2 on 2 gloo processes (`--tp 1`: data parallel, GRPO path only).
+A Qwen3-MoE model of about `--gb` GB (fp32, random weights) is built at TP=2 on 2 gloo processes
+(`--tp 1`: data parallel, GRPO path only).
 Measured in the same run, on the same bytes:
   memcpy      torch copy of every HF tensor's bytes (2 threads) - the machine's ceiling
   gloo p2p    raw send/recv of the bytes rank 1 must ship, in bucket-sized messages
