@@ -72,7 +72,7 @@ ms_resume_override() {
 import sys
 from pathlib import Path
 from megatron_search.config import load_config
-from megatron_search.train.checkpoint_dir import latest_checkpoint
+from megatron_search.trainer.checkpoint_dir import latest_checkpoint
 cfg = load_config(sys.argv[1], sys.argv[2:])
 root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.output_dir) / "checkpoints"
 if not cfg.checkpoint.resume and latest_checkpoint(root) is not None:

@@ -56,7 +56,7 @@ def _config(arch: str, layout: list[str], world: int):
 
 
 def _batch():
-    from megatron_search.distributed.step import Batch
+    from megatron_search.trainer.step import Batch
 
     g = torch.Generator().manual_seed(DATA_SEED)
     tokens = torch.randint(0, 2048, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
@@ -124,7 +124,7 @@ def _linear_adam(cfg, ddp_chunks):
 
 def _one_step(cfg, groups, full_state: dict | None, micro_batch: int, ref: dict | None = None):
     """Export, then one optimizer step; returns (loss/grad-norm/error metrics, what the reference saves or None)."""
-    from megatron_search.distributed.step import data_parallel_slice, train_step, wrap_ddp
+    from megatron_search.trainer.step import data_parallel_slice, train_step, wrap_ddp
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
 

@@ -30,7 +30,7 @@ def _data(vocab):
 
 
 def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
-    from megatron_search.distributed.step import make_optimizer, wrap_ddp
+    from megatron_search.trainer.step import make_optimizer, wrap_ddp
     from megatron_search.models import reshard
     from megatron_search.models.provider import build_model_chunks
     from megatron_search.rl.registry import build_policy_loss

@@ -28,7 +28,7 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
     """`out`: this world size's results; `shared`: the full weights (written by the 1-process run)."""
     from megatron_search.config import load_config
     from megatron_search.distributed import DistEnv, init_distributed
-    from megatron_search.distributed.step import make_optimizer, wrap_ddp
+    from megatron_search.trainer.step import make_optimizer, wrap_ddp
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
     from megatron_search.rl.registry import build_policy_loss

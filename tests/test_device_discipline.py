@@ -1,4 +1,4 @@
-"""Device discipline: no raw tensor collective in train/, distributed/, weights/ or rm/.
+"""Device discipline: no raw tensor collective in train/, trainer/, distributed/, weights/ or rm/.
 
 NCCL takes CUDA tensors only, and the scalars these packages reduce (losses, token counts, flags) are
 built on the host: a raw dist.all_reduce of one runs on CPU (gloo) and fails on every GPU cluster.
@@ -21,7 +21,7 @@ RAW = re.compile(r"\bdist\.(all_reduce|broadcast|all_gather|all_gather_into_tens
 
 def test_no_raw_tensor_collective_outside_the_helper():
     hits = []
-    for sub in ("train", "distributed", "weights", "rm"):
+    for sub in ("train", "trainer", "distributed", "weights", "rm"):
         for path in sorted((PKG / sub).rglob("*.py")):
             if path.name == "collectives.py":
                 continue

@@ -147,7 +147,7 @@ def test_pair_metrics_and_sbs_by_hand():
 
 def test_reference_cache_generates_each_prompt_once_and_persists(tmp_path):
     from megatron_search.rm.service import ReferenceCache, prompt_key
-    from megatron_search.train.scoring import ReferenceAnswer
+    from megatron_search.rewards.preference import ReferenceAnswer
 
     calls = []
 

@@ -4,8 +4,8 @@ import signal
 
 import pytest
 
-from megatron_search.train.checkpoint_dir import latest_checkpoint, list_checkpoints, save_checkpoint
-from megatron_search.train.signals import StopRequest
+from megatron_search.trainer.checkpoint_dir import latest_checkpoint, list_checkpoints, save_checkpoint
+from megatron_search.trainer.signals import StopRequest
 
 
 def writer(payload):

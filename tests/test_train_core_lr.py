@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_search.train.lr import lr_at
+from megatron_search.trainer.lr import lr_at
 
 
 def test_warmup_then_constant():

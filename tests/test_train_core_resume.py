@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_search.distributed.step import Batch
+from megatron_search.trainer.step import Batch
 
 
 def _batch(i: int) -> Batch:
@@ -19,7 +19,7 @@ def test_plain_optimizer_resume_is_bitwise(tmp_path):
 
     from megatron_search.config import load_config
     from megatron_search.distributed import init_distributed
-    from megatron_search.train.core import Trainer
+    from megatron_search.trainer.core import Trainer
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ck'}", f"run.output_dir={tmp_path}", "optim.lr=1e-3",
                              "optim.lr_schedule=linear", "optim.warmup_steps=1", "parallel.distributed_optimizer=false"])
@@ -57,7 +57,7 @@ def test_context_parallel_training_is_refused_before_anything_is_built():
     import pytest
 
     from megatron_search.config import config_from_dict
-    from megatron_search.train.core import Trainer
+    from megatron_search.trainer.core import Trainer
 
     cfg = config_from_dict({"model": {"hf_config": "configs/models/tiny_qwen3_moe"}, "parallel": {"cp": 2}})
     with pytest.raises(ValueError, match=r"parallel.cp=2: context parallelism is not wired into training"):

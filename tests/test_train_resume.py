@@ -45,9 +45,9 @@ class InjectedCrash(RuntimeError):
 def _crash_while_saving_step_3(cfg) -> dict:
     """Load the step-2 checkpoint, train step 3, and crash in the middle of writing its checkpoint."""
     from megatron_search.distributed import init_distributed
-    from megatron_search.train.checkpoint import save_run, write_run_state
-    from megatron_search.train.checkpoint_dir import latest_checkpoint
-    from megatron_search.train.core import Trainer
+    from megatron_search.trainer.checkpoint import save_run, write_run_state
+    from megatron_search.trainer.checkpoint_dir import latest_checkpoint
+    from megatron_search.trainer.core import Trainer
     from megatron_search.train.sft import build_batcher
 
     def crashing_write(trainer, directory, extra):

@@ -4,7 +4,8 @@ import torch
 
 from megatron_search.data.mix import MixItem
 from megatron_search.rollout.types import Rollout, Segment
-from megatron_search.train.scoring import ReferenceAnswer, preference_inputs, score_rollouts
+from megatron_search.rewards.preference import ReferenceAnswer
+from megatron_search.train.scoring import preference_inputs, score_rollouts
 
 
 def ro(answer, model_tokens, calls=0, failed=0):

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         results[name] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], "unchanged": unchanged,
                          "params": len(held["before"]), "checkpoint": summary["checkpoint"]}
     # EP=2 keeps expert parameters in a separate optimizer; EP=1 does not: a clear error, not a bad load.
-    from megatron_search.train.checkpoint import CheckpointError
+    from megatron_search.trainer.checkpoint import CheckpointError
 
     bad = sft_config(root / "pp2_from_ep2", data, [*CROSS, f"checkpoint.load={root / 'ep2' / 'ckpt' / 'step_00000002'}"],
                      world=world)

@@ -225,10 +225,10 @@ def _mtp_forward(model, ids):
 
 
 def _sft_step(cfg, ctx, source, ids, mask) -> dict:
-    """One SFT trainer step (labels + loss mask, distributed/step.py) on this DP rank's row: the MTP loss
+    """One SFT trainer step (labels + loss mask, trainer/step.py) on this DP rank's row: the MTP loss
     it reports and which MTP weights the update moved."""
-    from megatron_search.distributed.step import Batch
-    from megatron_search.train.core import Trainer
+    from megatron_search.trainer.step import Batch
+    from megatron_search.trainer.core import Trainer
     from megatron_search.weights.load import load_hf_into_model
 
     trainer = Trainer(cfg, ctx, total_steps=1)
@@ -242,7 +242,7 @@ def _sft_step(cfg, ctx, source, ids, mask) -> dict:
 
 def _frozen_grpo_update(cfg, ctx, source, ids):
     """Trainer(train_mtp=False), one logits-only (GRPO-style) update: MTP untouched, the rest moves."""
-    from megatron_search.train.core import Trainer
+    from megatron_search.trainer.core import Trainer
     from megatron_search.weights.load import load_hf_into_model
 
     trainer = Trainer(cfg, ctx, total_steps=1, train_mtp=False)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from megatron_search.distributed import init_distributed
-    from megatron_search.distributed.step import Batch, data_parallel_slice, make_optimizer, train_step, wrap_ddp
+    from megatron_search.trainer.step import Batch, data_parallel_slice, make_optimizer, train_step, wrap_ddp
     from megatron_search.models.provider import build_model_chunks
 
     from megatron_search.distributed import DistEnvError, LayoutError

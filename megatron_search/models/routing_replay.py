@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_search.weights.params import unwrap
+from megatron_search.models.wrappers import unwrap
 
 
 def enable_routing_replay(config) -> None:

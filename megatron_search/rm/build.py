@@ -34,7 +34,7 @@ def build_scorer(cfg, chunks: list | None = None) -> RMScorer:
 
 
 def preference_service(cfg, chunks: list | None = None):
-    """The GRPO loop's PreferenceService (train/scoring.py PreferenceScorer) for cfg."""
+    """The GRPO loop's PreferenceService (rewards/preference.PreferenceScorer) for cfg."""
     from .service import PreferenceService
 
     return PreferenceService(build_scorer(cfg, chunks))

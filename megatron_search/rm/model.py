@@ -150,16 +150,16 @@ class _BackboneView:
 def init_from_policy(chunks: list, cfg, path: str | Path, groups) -> str:
     """Load the policy's weights into the backbones (the value head keeps its fresh init).
 
-    `path`: a Megatron training checkpoint of the policy (train/checkpoint.py layout, or its root
+    `path`: a Megatron training checkpoint of the policy (trainer/checkpoint.py layout, or its root
     holding `latest`) or an HF safetensors directory. Returns a short description of what was loaded.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"rm.init_from: {path} does not exist")
     if _is_megatron_checkpoint(path):
-        from megatron_search.train.checkpoint import MODEL_OPTIM, read_trainer_meta
-        from megatron_search.train.init_weights import resolve_checkpoint
-        from megatron_search.train.sharded_state import load_model
+        from megatron_search.trainer.checkpoint import MODEL_OPTIM, read_trainer_meta
+        from megatron_search.trainer.init_weights import resolve_checkpoint
+        from megatron_search.trainer.sharded_state import load_model
 
         ckpt = resolve_checkpoint(path)
         read_trainer_meta(ckpt)

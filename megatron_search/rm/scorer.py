@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from megatron_search.distributed import collectives as coll
-from megatron_search.distributed.step import Batch
+from megatron_search.trainer.step import Batch
 from megatron_search.rewards.bradley_terry import ScorerKind, debiased_delta, preference_probability, scorer_deltas
 
 PAIR_TEMPLATE = "[Answer 1]\n{first}\n\n[Answer 2]\n{second}"
@@ -109,7 +109,7 @@ def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int) -> Tenso
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_search.distributed.step import forward_backward
+    from megatron_search.trainer.step import forward_backward
 
     from .model import values_at
 

@@ -1,7 +1,7 @@
 """The preference service of the GRPO loop (RECIPE 5.1): s(tau_i) = P_bar(x, y_i, y_ref).
 
 - `PreferenceService.score(prompts, answers, ref_answers) -> Tensor [n] in [0, 1]` satisfies
-  train/scoring.py's `PreferenceScorer`: each rollout's final answer is compared with the
+  rewards/preference.py's `PreferenceScorer`: each rollout's final answer is compared with the
   reference model's answer for the same prompt, in one batched, order-averaged pass of the RM
   (identical answers score exactly 0.5; distinct texts are scored once per call).
   In-process: it runs on the ranks holding the reward model (every rank of its layout calls it
@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_search.train.scoring import ReferenceAnswer
+from megatron_search.rewards.preference import ReferenceAnswer
 
 # (prompts, sample indices) -> one reference answer per pair; sample k is seeded apart from the others.
 ReferenceGenerator = Callable[[list[list[dict]], list[int]], list[ReferenceAnswer]]

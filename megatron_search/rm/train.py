@@ -8,7 +8,7 @@ every rank, and slices them over data parallelism; the order is a seeded permuta
 a pure function of the step, so a resumed run sees the same pairs as an uninterrupted one.
 Logged to TensorBoard: rm/loss, rm/accuracy, rm/margin (training batch), rm/grad_norm, rm/lr and
 rm/eval_{loss,accuracy,margin} on the held-out pairs. Checkpoints: the trainer core's complete
-run state (train/core.py) every checkpoint.save_interval steps and at the end.
+run state (trainer/core.py) every checkpoint.save_interval steps and at the end.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from megatron_search.distributed import collectives as coll
 
 from megatron_search.rewards.bradley_terry import debiased_delta, symmetric_bt_loss
-from megatron_search.train.core import Trainer, checkpoint_root
-from megatron_search.train.metrics import MetricsWriter, format_line
-from megatron_search.train.signals import StopRequest
+from megatron_search.trainer.core import Trainer, checkpoint_root
+from megatron_search.trainer.metrics import MetricsWriter, format_line
+from megatron_search.trainer.signals import StopRequest
 
 from .data import PreferencePair
 from .model import build_reward_model_chunks, init_from_policy, values_at
@@ -36,7 +36,7 @@ class RMTrainer(Trainer):
     """The trainer core (DDP, optimizer, LR schedule, checkpoints) around reward-model chunks."""
 
     def __init__(self, cfg, ctx, total_steps: Optional[int] = None):
-        from megatron_search.distributed.step import make_optimizer, wrap_ddp
+        from megatron_search.trainer.step import make_optimizer, wrap_ddp
 
         total_steps = total_steps or cfg.rm.steps
         if total_steps < 1:
@@ -58,8 +58,8 @@ def rm_checkpoint(path: str | Path, kind: Optional[str] = None) -> tuple[Path, d
 
     `kind`: the scorer kind the caller will use; a checkpoint trained as the other kind is an error
     (a pointwise head read as a pairwise Delta, or vice versa, gives meaningless scores)."""
-    from megatron_search.train.checkpoint import read_trainer_meta
-    from megatron_search.train.init_weights import resolve_checkpoint
+    from megatron_search.trainer.checkpoint import read_trainer_meta
+    from megatron_search.trainer.init_weights import resolve_checkpoint
 
     try:
         ckpt = resolve_checkpoint(path)
@@ -75,8 +75,8 @@ def rm_checkpoint(path: str | Path, kind: Optional[str] = None) -> tuple[Path, d
 
 def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) -> Path:
     """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir."""
-    from megatron_search.train.checkpoint import MODEL_OPTIM
-    from megatron_search.train.sharded_state import load_model
+    from megatron_search.trainer.checkpoint import MODEL_OPTIM
+    from megatron_search.trainer.sharded_state import load_model
 
     ckpt, meta = rm_checkpoint(path, kind)
     if meta["num_chunks"] != len(chunks):

@@ -1,1 +1,1 @@
-"""Training loops (SFT, GRPO) on Megatron-Core, checkpoints, metrics."""
+"""The training loops (SFT, GRPO) and the embedded demo, on the trainer core (trainer/)."""

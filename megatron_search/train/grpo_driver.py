@@ -39,6 +39,7 @@ from tqdm import tqdm
 from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.mix import MixItem
 from megatron_search.data.rubrics import RubricJudge
+from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.dispatch import Dispatcher, JobResult
@@ -48,7 +49,7 @@ from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.rollout.types import Rollout
 from megatron_search.search.tool import SearchTool
 
-from .scoring import ReferenceAnswer, rubric_jobs
+from .scoring import rubric_jobs
 
 
 def build_encoder(cfg) -> ChatEncoder:

@@ -21,11 +21,15 @@ import torch.distributed as dist
 
 from megatron_search.models.routing_replay import moe_routers
 from megatron_search.rewards.batch import RewardBreakdown, RolloutScores, compute_rewards_from_config, reward_generator
+from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rl.advantages import filtered_groups, group_advantages
 from megatron_search.rl.registry import build_policy_loss
 from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.local import LocalEngine
 from megatron_search.rollout.sglang import SGLangClient
+from megatron_search.trainer.init_weights import load_model_weights
+from megatron_search.trainer.metrics import MetricsWriter, format_line
+from megatron_search.trainer.signals import StopRequest
 
 from .batch_scatter import BatchScatter
 from .grpo_colocate import ColocatedCycle
@@ -34,12 +38,9 @@ from .grpo_driver import Collected, RolloutDriver
 from .grpo_metrics import rollout_metrics
 from .grpo_preference import build_preference
 from .grpo_sync import build_weight_sync, save_hf_weights
-from .init_weights import load_model_weights
-from .metrics import MetricsWriter, format_line
 from .policy_step import policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
-from .scoring import ReferenceAnswer, preference_inputs, score_rollouts
-from .signals import StopRequest
+from .scoring import preference_inputs, score_rollouts
 
 REFERENCE_WEIGHTS, FINAL_WEIGHTS = "reference_weights", "final_weights"
 LOGGED = ["reward/mean", "reward/r_base", "reward/tool_calls", "train/loss", "train/grad_norm",
@@ -60,7 +61,7 @@ class GRPORun:
     def __init__(self, cfg, ctx):
         from megatron.core import parallel_state as ps
 
-        from .core import Trainer
+        from megatron_search.trainer.core import Trainer
 
         self.cfg, self.ctx = cfg, ctx
         if cfg.rollout.temperature == 0:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron_search.kernels.logprob import token_logprobs
 
 from megatron_search.distributed import collectives as coll
+from megatron_search.models.routing_replay import RoutingReplay
+from megatron_search.models.wrappers import unwrap
 
 from .rollout_batch import RolloutBatch
 
@@ -186,8 +188,6 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
     mbs = split_microbatches(batch, micro_batch_size)
     replay_ctl = agreement = None
     if batch.routed_experts_BSLK is not None:
-        from megatron_search.models.routing_replay import RoutingReplay
-        from megatron_search.weights.params import unwrap
 
         where = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                  unwrap(chunks[0]).config.sequence_parallel)

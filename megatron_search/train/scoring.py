@@ -16,8 +16,7 @@ against the reference with an empty answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,20 +24,8 @@ from megatron_search.data.mix import MixItem
 from megatron_search.data.rubric_checks import check_rubric
 from megatron_search.rewards.answer import qa_reward, rubric_reward
 from megatron_search.rewards.batch import RolloutScores
+from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rollout.types import Rollout
-
-
-class PreferenceScorer(Protocol):
-    def score(self, prompts: Sequence[list[dict]], answers: Sequence[str], ref_answers: Sequence[str]) -> torch.Tensor:
-        """P_bar(x, y, y_ref) in [0, 1] for each triple."""
-
-
-@dataclass(frozen=True)
-class ReferenceAnswer:
-    """The frozen reference model's rollout summary for one prompt (cached once per prompt)."""
-
-    answer: str
-    generated_tokens: int
 
 
 def base_reward(item: MixItem, answer: Optional[str], answer_match: str,
@@ -72,7 +59,7 @@ def rubric_jobs(items: Sequence[MixItem], rollouts: Sequence[Rollout]) -> tuple[
 
 def preference_inputs(items: Sequence[MixItem], rollouts: Sequence[Rollout], references: Sequence[ReferenceAnswer]
                       ) -> tuple[list[list[dict]], list[str], list[str]]:
-    """(prompts, answers, reference answers) for PreferenceScorer.score; no final answer scores as ''."""
+    """(prompts, answers, reference answers) for rewards.preference.PreferenceScorer.score; no final answer scores as ''."""
     return [it.messages for it in items], [r.final_answer or "" for r in rollouts], [ref.answer for ref in references]
 
 

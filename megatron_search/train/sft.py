@@ -17,13 +17,12 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megatron_search.data.jsonl import append_jsonl, read_jsonl
 from megatron_search.distributed import collectives as coll
-from tqdm import tqdm
-
-from .metrics import MetricsWriter, format_line
-from .signals import StopRequest
+from megatron_search.trainer.metrics import MetricsWriter, format_line
+from megatron_search.trainer.signals import StopRequest
 
 log = logging.getLogger(__name__)
 TB_TAGS = {
@@ -101,7 +100,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     """
     from megatron_search.distributed import init_distributed
 
-    from .core import Trainer
+    from megatron_search.trainer.core import Trainer
 
     ctx = init_distributed(cfg, env=env)
     stop = StopRequest()
@@ -114,7 +113,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         if extra:
             batcher.load_state_dict(extra["data"])
         elif cfg.checkpoint.load and not cfg.checkpoint.resume:
-            from .init_weights import load_model_weights
+            from megatron_search.trainer.init_weights import load_model_weights
 
             load_model_weights(trainer, cfg.checkpoint.load)  # e.g. a previous SFT stage (curriculum)
         if on_start is not None:

@@ -31,7 +31,7 @@ import torch
 from megatron_search.data.hf_datasets import row_table
 from megatron_search.data.jsonl import DataError
 from megatron_search.data.mix import MixSampler
-from megatron_search.distributed.step import Batch
+from megatron_search.trainer.step import Batch
 from megatron_search.rollout.chat_format import IM_END, IM_START, ChatFormat
 from megatron_search.rollout.tokenizer import ChatTokenizer, load_tokenizer
 

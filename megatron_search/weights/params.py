@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 import torch
 
 from megatron_search.models.hf_mapping import Mapping, MappingError, Match
+from megatron_search.models.wrappers import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
@@ -40,13 +41,6 @@ class LocalParam:
         if layout.dim is not None:
             shape[layout.dim] *= self.tp_size
         return tuple(shape)
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers down to the GPTModel."""
-    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _group_coords(group) -> tuple[int, int]:

@@ -6,7 +6,7 @@ Layout under the checkpoint root:
     latest                the name of the newest complete checkpoint, replaced atomically
 A crash while saving leaves a *.tmp-* directory that loaders ignore and the next save removes, so
 the previous checkpoint always stays loadable. What goes inside a checkpoint is the caller's
-business (train/checkpoint.py writes Megatron's sharded state and the run state).
+business (trainer/checkpoint.py writes Megatron's sharded state and the run state).
 """
 from __future__ import annotations
 

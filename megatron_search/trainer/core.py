@@ -13,28 +13,28 @@
 API (kept stable for train/sft.py and train/grpo.py):
 - `Trainer(cfg, ctx, total_steps, train_mtp=True)`: builds this rank's model chunks (models/provider.py),
   wraps them in Megatron DDP and builds Megatron's optimizer (distributed optimizer where Megatron
-  supports it: on GPU; gloo lacks reduce_scatter) -- all through distributed/step.py. With
+  supports it: on GPU; gloo lacks reduce_scatter) -- all through trainer/step.py. With
   model.mtp on, `train_mtp=False` (GRPO) freezes the MTP layer before the DDP wrap: no gradients,
   no optimizer state, weights kept exactly as loaded (models/mtp.py).
   `trainer.model` = unwrapped chunks, `trainer.ddp` = DDP chunks, `trainer.optimizer`.
 - `step(batch, loss_fn=token_mean_ce, micro_batch_size=None)`: sets the LR for this step
-  (train/lr.py, a pure function of `iteration`), runs Megatron's pipeline schedule over
+  (trainer/lr.py, a pure function of `iteration`), runs Megatron's pipeline schedule over
   microbatches of `batch` and one optimizer step (grad clipping by cfg.optim.clip_grad).
   `loss_fn(output, batch) -> (loss, {"loss": detached})` gets the model output for one
   microbatch: with labels, GPTModel returns per-token cross entropy [B, S] (= -log p(label)),
   so a policy-gradient loss reads the token log-probs as `-output`. A `batch` may be any
   step.Batch subclass that slices its extra per-sequence tensors in `slice()`.
   Returned `tokens` = global count of loss tokens (loss_mask sum, or every label).
-- `save(extra=None) -> Path`: a complete checkpoint of the run (train/checkpoint.py): Megatron
+- `save(extra=None) -> Path`: a complete checkpoint of the run (trainer/checkpoint.py): Megatron
   distributed checkpoint of model + optimizer, RNG states of every rank, iteration, consumed
   tokens, the LR schedule's parameters, `extra` (JSON: the data sampler's position, ...) and
-  the resolved config. Atomic and keep-last-N through train/checkpoint_dir.py.
+  the resolved config. Atomic and keep-last-N through trainer/checkpoint_dir.py.
 - `load(path) -> extra` / `resume() -> extra`: restore all of it (resume: from the latest
   checkpoint under the checkpoint root when cfg.checkpoint.resume, else {}).
 - `should_save()`: iteration is a multiple of cfg.checkpoint.save_interval.
 - `apply_lr() -> lr`: set the LR of the current iteration (for loops that call the optimizer
   themselves, e.g. several GRPO updates per batch; `step` calls it).
-- Weights only from a checkpoint: `train/sharded_state.load_model(trainer.model, ckpt / "model_optim")`.
+- Weights only from a checkpoint: `trainer/sharded_state.load_model(trainer.model, ckpt / "model_optim")`.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_search.distributed import collectives as coll
-from megatron_search.distributed.step import (
+from megatron_search.trainer.step import (
     Batch,
     data_parallel_slice,
     make_optimizer,

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import collectives as coll
+from megatron_search.distributed import collectives as coll
 
 
 @dataclass

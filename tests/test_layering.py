@@ -1,0 +1,92 @@
+"""The package layering of docs/ARCHITECTURE.md, enforced on every import, function-local ones included.
+
+The layer table is read from docs/ARCHITECTURE.md (written once, there): a package may import only
+packages on a lower layer; packages on the same layer do not import each other. A cycle between
+packages is then impossible. Imports are found with `ast`, so an import inside a function counts."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = {"megatron_search": REPO / "megatron_search", "megatron_search.kernels": REPO / "kernels"}
+
+
+def layer_table() -> dict[str, int]:
+    """{package: layer} from the table under '## Layers' in docs/ARCHITECTURE.md (layer 0 at the bottom)."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers: dict[str, int] = {}
+    for row in re.finditer(r"^\| *(\d+) *\| *([^|]+)\|", section, re.M):
+        for pkg in re.findall(r"`([a-z_]+)`", row[2]):
+            assert pkg not in layers, f"docs/ARCHITECTURE.md: {pkg} is on two layers"
+            layers[pkg] = int(row[1])
+    assert layers, "docs/ARCHITECTURE.md: no layer table under '## Layers'"
+    return layers
+
+
+def _module_name(root: str, base: Path, path: Path) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([root, *parts])
+
+
+def _package(module: str) -> str | None:
+    """The first-level package of a megatron_search module ('text' for megatron_search.text)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "megatron_search" and len(parts) > 1 else None
+
+
+def internal_imports() -> list[tuple[str, str, str, int]]:
+    """(importing package, imported package, file, line) for every import between two packages."""
+    out = []
+    for root, base in SOURCES.items():
+        for path in sorted(base.rglob("*.py")):
+            module = _module_name(root, base, path)
+            me = _package(module)
+            if me is None:  # megatron_search/__init__.py
+                continue
+            is_pkg = path.name == "__init__.py"
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        up = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                        targets = [".".join(up + ([node.module] if node.module else []))]
+                    else:
+                        targets = [node.module or ""]
+                else:
+                    continue
+                for target in targets:
+                    other = _package(target)
+                    if other is not None and other != me:
+                        out.append((me, other, str(path.relative_to(REPO)), node.lineno))
+    return out
+
+
+def test_every_package_is_on_a_layer():
+    layers = layer_table()
+    found = {p.name for p in (REPO / "megatron_search").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    found |= {p.stem for p in (REPO / "megatron_search").glob("*.py") if p.stem != "__init__"} | {"kernels"}
+    assert found == set(layers), f"docs/ARCHITECTURE.md layers miss {sorted(found - set(layers))}, " \
+                                 f"name unknown {sorted(set(layers) - found)}"
+
+
+def test_no_package_imports_its_own_layer_or_above():
+    layers = layer_table()
+    bad = [f"{f}:{line}: {me} (layer {layers[me]}) imports {other} (layer {layers[other]})"
+           for me, other, f, line in internal_imports() if layers[other] >= layers[me]]
+    assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_the_import_scan_sees_function_local_and_relative_imports():
+    """The scanner itself, on this repo's known edges: a function-local import (cli/ imports its commands
+    lazily) and a relative one (rl/advantages.py: `from ..rewards.gated import ...`)."""
+    edges = {(me, other, f) for me, other, f, _ in internal_imports()}
+    assert ("rl", "rewards", "megatron_search/rl/advantages.py") in edges
+    smoke = (REPO / "megatron_search/cli/smoke.py").read_text()
+    assert re.search(r"^\s+from megatron_search\.trainer", smoke, re.M)  # indented: inside a function
+    assert ("cli", "trainer", "megatron_search/cli/smoke.py") in edges
