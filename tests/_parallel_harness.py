@@ -73,7 +73,7 @@ def _params(chunks) -> list[dict[str, torch.Tensor]]:
     return [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
 
 
-def _worst_error(cfg, chunks, ours: list[dict], ref_full: dict) -> tuple[float, str]:
+def _worst_error(cfg, chunks, ours: list[dict], ref_full: dict, groups) -> tuple[float, str]:
     """Largest |ours - reference shard| / max|reference tensor| over this rank's parameters.
 
     Much stricter than the global norm: a gradient missing another rank's contribution
@@ -85,8 +85,8 @@ def _worst_error(cfg, chunks, ours: list[dict], ref_full: dict) -> tuple[float, 
     tp_slice = getattr(architecture_module(cfg)[0], "tp_slice", None)
     worst, where = 0.0, ""
     for v, chunk in enumerate(chunks):
-        ref_local = reshard.shard_full_state(chunk, ref_full, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
-                                             tp_slice=tp_slice)
+        ref_local = reshard.shard_full_state(chunk, ref_full, chunk.config, groups,
+                                             vp_stage=v if cfg.parallel.vpp else None, tp_slice=tp_slice)
         for local, _ in chunk.named_parameters():
             ref = ref_local[local]
             err = float((ours[v][local] - ref).abs().max()) / (float(ref.abs().max()) + 1e-12)
@@ -128,26 +128,29 @@ def _one_step(cfg, groups, full_state: dict | None, micro_batch: int, ref: dict 
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
 
-    chunks = build_model_chunks(cfg)
+    chunks = build_model_chunks(cfg, groups)
     saved = None
     if full_state is None:
         saved = reshard.full_state(chunks[0])
     else:
         module = architecture_module(cfg)[0]
         for v, chunk in enumerate(chunks):
-            reshard.load_full_state(chunk, full_state, chunk.config, vp_stage=v if cfg.parallel.vpp else None,
+            reshard.load_full_state(chunk, full_state, chunk.config, groups, vp_stage=v if cfg.parallel.vpp else None,
                                     tp_slice=getattr(module, "tp_slice", None))
     exported = _export_sha256(cfg, chunks, groups)
     before = _params(chunks)
     ddp = wrap_ddp(cfg, chunks, chunks[0].config)
-    loss, grad_norm = train_step(ddp, _linear_adam(cfg, ddp), data_parallel_slice(_batch()), micro_batch)
+    batch = data_parallel_slice(_batch(), groups)
+    loss, grad_norm = train_step(ddp, _linear_adam(cfg, ddp), batch, micro_batch, groups)
     result = {"loss": loss, "grad_norm": grad_norm}
     update = [{n: p - b[n] for n, p in after.items()} for after, b in zip(_params(chunks), before)]
     if ref is None:  # the 1-process model is a single chunk
         return result, {"weights": saved, "grads": _grads(ddp)[0], "update": update[0], "export": exported}
     if not cfg.parallel.distributed_optimizer:  # the distributed optimizer keeps only its grad shard reduced
-        result["grad_max_rel_err"], result["grad_worst_param"] = _worst_error(cfg, chunks, _grads(ddp), ref["grads"])
-    result["update_max_rel_err"], result["update_worst_param"] = _worst_error(cfg, chunks, update, ref["update"])
+        result["grad_max_rel_err"], result["grad_worst_param"] = _worst_error(cfg, chunks, _grads(ddp), ref["grads"],
+                                                                              groups)
+    result["update_max_rel_err"], result["update_worst_param"] = _worst_error(cfg, chunks, update, ref["update"],
+                                                                              groups)
     if exported is not None:  # rank 0: HF tensors that differ from the 1-process export, or are missing / extra
         names = set(exported) | set(ref["export"])
         result["export_tensors"] = len(exported)

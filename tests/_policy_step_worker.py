@@ -39,7 +39,7 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
     from megatron_search.train.rollout_batch import RolloutBatch
 
     cfg, ctx = _setup(overrides, world, port, rank)
-    chunks = build_model_chunks(cfg)
+    chunks = build_model_chunks(cfg, ctx.groups)
     full = reshard.full_state(chunks[0])
     vocab = cfg.model.architecture.vocab_size
     inputs, targets, mask, delta, adv = _data(vocab)
@@ -54,10 +54,11 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
     # with micro-batches of 2 the third holds only padding (no trained token: it adds nothing, and must not raise).
     for mbs, pad in ((B, 0), (1, 0), (3, 2), (2, 2)):
         for chunk in chunks:
-            reshard.load_full_state(chunk, full, chunk.config)
+            reshard.load_full_state(chunk, full, chunk.config, ctx.groups)
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)
         opt = make_optimizer(cfg, ddp)
-        (m,) = policy_update(ddp, opt, batch.pad_rows(pad, pad_id=0), policy_loss=build_policy_loss(cfg.grpo),
+        (m,) = policy_update(ddp, opt, batch.pad_rows(pad, pad_id=0), groups=ctx.groups,
+                             policy_loss=build_policy_loss(cfg.grpo),
                              aggregation=cfg.grpo.loss_aggregation, micro_batch_size=mbs, temperature=temperature)
         results[f"{mbs}+{pad}"] = {"loss": m["loss"], "grad_norm": m["grad_norm"]}
     # Independent float64 value of the recipe's objective: r = pi/mu = exp(delta).

@@ -47,14 +47,14 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
         cfg = load_config(None, [f"model.hf_config={arch_dir}", f"parallel.world_size={world}", "optim.lr=1e-3",
                                  "grpo.routing_replay=true", f"grpo.updates_per_batch={updates}", *layout, *recompute])
         ctx = init_distributed(cfg, env=env)
-        chunks = build_model_chunks(cfg)
+        chunks = build_model_chunks(cfg, ctx.groups)
         if full is None:  # every setting starts from the first build's weights (world 1: the whole model)
             full = torch.load(Path(shared) / "full.pt") if world > 1 else reshard.full_state(chunks[0])
             if world == 1:
                 torch.save(full, Path(shared) / "full.pt")
         tp_slice = getattr(architecture_module(cfg)[0], "tp_slice", None)
         for chunk in chunks:
-            reshard.load_full_state(chunk, full, chunk.config, tp_slice=tp_slice)
+            reshard.load_full_state(chunk, full, chunk.config, ctx.groups, tp_slice=tp_slice)
         a = cfg.model.architecture
         g = torch.Generator().manual_seed(7)
         tokens = torch.randint(0, a.vocab_size, (B, S + 1), generator=g)
@@ -65,7 +65,7 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
                              _forced_experts(a.num_layers, a.num_experts, a.moe_top_k))
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)
         opt = make_optimizer(cfg, ddp)
-        history = policy_update(ddp, opt, batch, policy_loss=build_policy_loss(cfg.grpo),
+        history = policy_update(ddp, opt, batch, groups=ctx.groups, policy_loss=build_policy_loss(cfg.grpo),
                                 aggregation=cfg.grpo.loss_aggregation, micro_batch_size=1, updates=updates,
                                 replay=replay)
         grads = {n.removeprefix("module."): p.main_grad.detach().clone() for m in ddp for n, p in m.named_parameters()}

@@ -44,9 +44,9 @@ def _run(cfg, ctx, full: dict | None, micro_rows: int):
         saved = reshard.full_state(trainer.model[0])
     else:
         for chunk in trainer.model:
-            reshard.load_full_state(chunk, full, chunk.config)
+            reshard.load_full_state(chunk, full, chunk.config, ctx.groups)
     batch = _batch()
-    values = forward_values(trainer.model, batch, micro_rows)
+    values = forward_values(trainer.model, batch, micro_rows, ctx.groups)
     sink: list = []
     m = trainer.step(trainer.dp_slice(batch), _loss_fn("pointwise", sink), micro_rows)
     correct, margin, pairs = _global_sums(sink).tolist()  # the logged accuracy / margin, reduced over DP and PP

@@ -67,12 +67,13 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     r["eval"], r["train"], r["checkpoint"] = res["eval"], res["train"], res["checkpoint"]
 
     # exact antisymmetry of the permutation-averaged score, pointwise and pairwise
-    scorer = RMScorer(trainer.model, encoder, pad_id, 32)
+    scorer = RMScorer(trainer.model, encoder, pad_id, 32, groups=ctx.groups)
     x = [p.messages for p in held]
     a, b = [p.answer_a for p in held], [p.answer_b for p in held]
     p_ab, p_ba = scorer.p_bar(x, a, b), scorer.p_bar(x, b, a)
     r["pointwise_antisymmetric"] = bool(torch.equal(p_ab + p_ba, torch.ones_like(p_ab)))
-    pair_scorer = RMScorer(trainer.model, PairEncoder(encoder.tokenizer, encoder.fmt, "pairwise", 192), pad_id, 32)
+    pair_scorer = RMScorer(trainer.model, PairEncoder(encoder.tokenizer, encoder.fmt, "pairwise", 192), pad_id, 32,
+                           groups=ctx.groups)
     d_ab, d_ba = pair_scorer.deltas(x[:16], a[:16], b[:16])
     q_ab, q_ba = pair_scorer.p_bar(x[:16], a[:16], b[:16]), pair_scorer.p_bar(x[:16], b[:16], a[:16])
     r["pairwise_raw_position_bias"] = float((d_ab + d_ba).abs().max())  # Delta(a,b) != -Delta(b,a) in general
@@ -91,10 +92,11 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     r["s_dtype"] = str(s_cited.dtype)
 
     # reload the checkpoint into a fresh RM; init a new RM's backbone from it (policy-init path)
-    loaded = build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}"]))
+    loaded = build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}"]), ctx.groups)
     r["reload_max_diff"] = float((loaded.p_bar(x, a, b) - p_ab).abs().max())
     try:
-        build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}", "reward.scorer=pairwise"]))
+        build_scorer(load_config(None, overrides + [f"rm.load={out / 'run' / 'checkpoints'}", "reward.scorer=pairwise"]),
+                     ctx.groups)
         r["kind_mismatch_error"] = ""
     except ValueError as e:
         r["kind_mismatch_error"] = str(e)

@@ -67,7 +67,7 @@ def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
     for lay, (tp, pp, ep) in LAYOUTS.items():
         cfg = _cfg(arch_dir, tp, pp, ep)
         ctx = init_distributed(cfg)
-        chunks = [build_model(cfg)]
+        chunks = [build_model(cfg, ctx.groups)]
         arch = cfg.model.architecture
         for name, (mode, engine_node) in MODES.items():
             clients = [SGLangClient(u) for u in urls]

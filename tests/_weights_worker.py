@@ -40,7 +40,7 @@ def _build(cfg, replay: bool = False):
     config = transformer_config_from_hf(cfg)
     if replay:
         enable_routing_replay(config)
-    return ctx, [build_model(cfg, config=config)]
+    return ctx, [build_model(cfg, ctx.groups, config=config)]
 
 
 @torch.no_grad()

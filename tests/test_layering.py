@@ -90,3 +90,28 @@ def test_the_import_scan_sees_function_local_and_relative_imports():
     smoke = (REPO / "megatron_search/cli/smoke.py").read_text()
     assert re.search(r"^\s+from megatron_search\.trainer", smoke, re.M)  # indented: inside a function
     assert ("cli", "trainer", "megatron_search/cli/smoke.py") in edges
+
+
+def parallel_state_uses() -> list[str]:
+    """Every import of Megatron's global parallel state (parallel_state, or its old name mpu), as file:line."""
+    out = []
+    for root, base in SOURCES.items():
+        for path in sorted(base.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                if any(re.match(r"megatron\.core\.(parallel_state|mpu)\b", n) for n in names):
+                    out.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return out
+
+
+def test_parallel_state_is_read_only_in_distributed():
+    """Outside distributed/, process groups are passed in (DistContext.groups), never read from Megatron's
+    globals: what a function reduces over is then visible in its signature."""
+    bad = [u for u in parallel_state_uses() if not u.startswith("megatron_search/distributed/")]
+    assert not bad, "parallel_state outside megatron_search/distributed/ (take `groups` instead):\n" + "\n".join(bad)
+    assert any(u.startswith("megatron_search/distributed/init.py") for u in parallel_state_uses())  # the scan works

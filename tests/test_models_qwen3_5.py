@@ -186,7 +186,7 @@ def _worker(rank: int, out_file: str) -> None:
     try:
         text = _hf_raw()["text_config"]
         hf = _randomised_hf_model(seed=3)
-        model = build_model(cfg)
+        model = build_model(cfg, ctx.groups)
         converted = hf_to_megatron(hf.state_dict(), text)
         own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         result = {"missing": sorted(own - set(converted)), "unexpected": sorted(set(converted) - own)}
@@ -215,13 +215,13 @@ def _worker(rank: int, out_file: str) -> None:
             or p.grad.abs().sum() == 0
         )
         result["n_params"] = sum(1 for _ in model.parameters())
-        result.update(_mtp_run(Path(out_file).parent, ids, pos, labels))
+        result.update(_mtp_run(Path(out_file).parent, ids, pos, labels, ctx.groups))
         Path(out_file).write_text(json.dumps(result))
     finally:
         ctx.teardown()
 
 
-def _mtp_run(tmp: Path, ids, pos, labels) -> dict:
+def _mtp_run(tmp: Path, ids, pos, labels, groups) -> dict:
     """Same tiny model with one MTP layer (model.mtp=true): builds, trains, MTP params get gradients."""
     from megatron_search.models.provider import build_model
 
@@ -229,7 +229,7 @@ def _mtp_run(tmp: Path, ids, pos, labels) -> dict:
     raw["text_config"]["mtp_num_hidden_layers"] = 1
     (tmp / "mtp").mkdir(exist_ok=True)
     (tmp / "mtp" / "config.json").write_text(json.dumps(raw))
-    model = build_model(config_from_dict({"model": {"hf_config": str(tmp / "mtp"), "mtp": True}}))
+    model = build_model(config_from_dict({"model": {"hf_config": str(tmp / "mtp"), "mtp": True}}), groups)
     loss = model(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels).float().mean()
     loss.backward()
     mtp = [(n, p) for n, p in model.named_parameters() if n.startswith("mtp.")]

@@ -85,7 +85,7 @@ def test_logits_match_transformers(dist_ctx, tmp_path, norm_topk_prob):
     raw["norm_topk_prob"] = norm_topk_prob
     (tmp_path / "config.json").write_text(json.dumps(raw))
     hf = _random_hf_model(tmp_path)
-    model = build_model(load_config(None, [f"model.hf_config={tmp_path}"])).eval()
+    model = build_model(load_config(None, [f"model.hf_config={tmp_path}"]), dist_ctx.groups).eval()
     result = model.load_state_dict(_hf_to_megatron(hf), strict=False)
     assert not result.missing_keys and not result.unexpected_keys
     tokens = torch.randint(0, raw["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
@@ -102,7 +102,7 @@ def test_logits_match_transformers(dist_ctx, tmp_path, norm_topk_prob):
 def test_forward_backward_reaches_every_parameter(dist_ctx):
     from megatron_search.models.provider import build_model
 
-    model = build_model(load_config(None, [f"model.hf_config={TINY}"]))
+    model = build_model(load_config(None, [f"model.hf_config={TINY}"]), dist_ctx.groups)
     tokens = torch.randint(0, 2048, (4, 32), generator=torch.Generator().manual_seed(2))
     positions = torch.arange(32).expand(4, 32)
     per_token = model(tokens[:, :-1], positions[:, :-1], None, labels=tokens[:, 1:])

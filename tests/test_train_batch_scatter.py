@@ -44,8 +44,8 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     for name, overrides in LAYOUTS.items():
         cfg = load_config(None, [f"parallel.world_size={world}", *overrides])
         ctx = init_distributed(cfg, env=env)
-        layers = [layer for layer, _ in moe_routers(build_model_chunks(cfg))]
-        scatter = BatchScatter(moe_layers=layers)
+        layers = [layer for layer, _ in moe_routers(build_model_chunks(cfg, ctx.groups))]
+        scatter = BatchScatter(ctx.groups, moe_layers=layers)
         full = _batch()
         got, stats = scatter.scatter(full if rank == 0 else None)
         dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

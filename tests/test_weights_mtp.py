@@ -284,7 +284,7 @@ def _rank_main(ckpt: str) -> dict:
         cfg = _cfg(ckpt, tp, pp, ep)
         arch = cfg.model.architecture
         ctx = init_distributed(cfg)
-        chunks = build_model_chunks(cfg)
+        chunks = build_model_chunks(cfg, ctx.groups)
         load_hf_into_model(chunks, arch, source, ctx.groups)
         out["export"][lay] = _export_mismatches(chunks, arch, ctx.groups, source, 1 << 20)
         if lay == "pp2":  # the MTP stage holds its own copy of the word embedding (NeMo-RL #2471's setting)
@@ -298,7 +298,7 @@ def _rank_main(ckpt: str) -> dict:
                 chunks, arch, HFTensorSource.from_state_dict(sd, "no-fc"), ctx.groups))
             out["grpo"] = _frozen_grpo_update(cfg, ctx, source, ids)
             off = _cfg(ckpt, 1, 1, 1, mtp=False)
-            plain = build_model_chunks(off)
+            plain = build_model_chunks(off, ctx.groups)
             load_hf_into_model(plain, off.model.architecture, source, ctx.groups)  # mtp.* carried, not an error
             out["export"]["mtp_off"] = _export_mismatches(plain, off.model.architecture, ctx.groups, source, 1 << 20)
     ps.destroy_model_parallel()

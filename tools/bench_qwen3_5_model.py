@@ -53,7 +53,7 @@ def main() -> None:
     try:
         text = json.loads((TINY / "config.json").read_text())["text_config"]
         hf = _randomised_hf_model(seed=3).train()
-        mc = build_model(cfg)
+        mc = build_model(cfg, ctx.groups)
         mc.load_state_dict(hf_to_megatron(hf.state_dict(), text), strict=False)
         b, t = args.batch, args.seq
         ids = torch.randint(0, text["vocab_size"], (b, t), generator=torch.Generator().manual_seed(0))

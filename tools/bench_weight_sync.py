@@ -142,7 +142,7 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_re
                              f"parallel.sequence_parallel={tp > 1}", "parallel.world_size=2"])
     ctx = init_distributed(cfg)
     arch = cfg.model.architecture
-    chunks = build_model_chunks(cfg)
+    chunks = build_model_chunks(cfg, ctx.groups)
     rank = dist.get_rank()
     out: dict = {"rows": []}
     probe = HFExporter(chunks, arch, ctx.groups, max(buckets_mb) << 20)

@@ -472,7 +472,7 @@ def check_models(chk: Check, s: Shapes, device, dist_backend: str) -> None:
                 from megatron_search.models.qwen3_5 import route_gdn_kernels
 
                 kernels = route_gdn_kernels()
-            model = build_model(cfg)
+            model = build_model(cfg, ctx.groups)
             hf = _random_hf_model(model_dir, ctx.device, seed=3 + i)
             load_hf_into_model([model], cfg.model.architecture, HFTensorSource.from_state_dict(hf.state_dict()), ctx.groups)
             vocab = cfg.model.architecture.vocab_size

@@ -139,10 +139,10 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scorer(cfg):
+def _scorer(cfg, ctx):
     from megatron_search.rm.build import build_scorer
 
-    return build_scorer(cfg)
+    return build_scorer(cfg, ctx.groups)
 
 
 def run_score(args: argparse.Namespace) -> int:
@@ -156,7 +156,7 @@ def run_score(args: argparse.Namespace) -> int:
         return _fail(str(e))
     ctx = _init(cfg)
     try:
-        p = _scorer(cfg).p_bar([x.messages for x in pairs], [x.answer_a for x in pairs], [x.answer_b for x in pairs])
+        p = _scorer(cfg, ctx).p_bar([x.messages for x in pairs], [x.answer_a for x in pairs], [x.answer_b for x in pairs])
     except (OSError, ValueError) as e:
         return _fail(str(e))
     finally:
@@ -196,7 +196,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return _fail(str(e))
     ctx = _init(cfg)
     try:
-        scorer = _scorer(cfg)
+        scorer = _scorer(cfg, ctx)
         if args.pairs:
             result = evaluate_pairs(scorer, data)
         else:

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         try:
-            chunks = build_model_chunks(cfg)
+            chunks = build_model_chunks(cfg, ctx.groups)
             ddp = wrap_ddp(cfg, chunks, chunks[0].config)
             optimizer = make_optimizer(cfg, ddp)
         except (ProviderError, ValueError) as e:
@@ -68,13 +68,13 @@ def run(args: argparse.Namespace) -> int:
         vocab = cfg.model.architecture.vocab_size
         g = torch.Generator().manual_seed(cfg.run.seed)
         tokens = torch.randint(0, vocab, (args.global_batch, args.seq_len + 1), generator=g).to(ctx.device)
-        batch = data_parallel_slice(Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+        batch = data_parallel_slice(Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), ctx.groups)
         if ctx.is_main:
             print(f"smoke: {cfg.model.architecture.model_type} world={ctx.world_size} tp={cfg.parallel.tp} "
                   f"pp={cfg.parallel.pp} ep={cfg.parallel.ep} dp={ctx.dp_size} backend={ctx.backend}", flush=True)
         losses = []
         for step in range(1, args.steps + 1):
-            loss, grad_norm = train_step(ddp, optimizer, batch, args.micro_batch)
+            loss, grad_norm = train_step(ddp, optimizer, batch, args.micro_batch, ctx.groups)
             losses.append(loss)
             if ctx.is_main:
                 print(f"step {step:3d}  loss {loss:.4f}  grad_norm {grad_norm:.4f}", flush=True)

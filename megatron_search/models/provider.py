@@ -1,8 +1,8 @@
 """Build Megatron-Core models from a Hugging Face config.json (the provider API others import).
 
     transformer_config_from_hf(cfg) -> TransformerConfig
-    build_model(cfg, pre_process=None, post_process=None, vp_stage=None) -> GPTModel for this rank
-    build_model_chunks(cfg) -> [GPTModel per virtual pipeline stage]
+    build_model(cfg, groups, pre_process=None, post_process=None, vp_stage=None) -> GPTModel for this rank
+    build_model_chunks(cfg, groups) -> [GPTModel per virtual pipeline stage]
 
 Architectures register in ARCHITECTURES (model_type -> module). An architecture module provides
 `transformer_config_kwargs(cfg, hf, where, use_te)`, `gpt_model_kwargs(hf, where)` and
@@ -57,35 +57,26 @@ def transformer_config_from_hf(cfg):
     return getattr(module, "config_class", TransformerConfig)(**kwargs)
 
 
-def _stage_flags(vp_stage: int | None) -> tuple[bool, bool]:
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-    )
-
-
-def build_model(cfg, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None,
-                config=None):
-    """The GPTModel (chunk) this rank holds; pre/post process follow its pipeline stage when None."""
-    from megatron.core import parallel_state as ps
+def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool | None = None,
+                vp_stage: int | None = None, config=None):
+    """The GPTModel (chunk) this rank holds in `groups` (DistContext.groups); pre/post process follow its
+    pipeline stage when None."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_search.distributed import cpu_compat
+    from megatron_search.distributed.stages import chunk_stage_flags, rank_in, require_model_parallel
 
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("build_model: model parallel state is not initialised; call init_distributed(cfg) first")
+    require_model_parallel("build_model")
     module, raw, where = architecture_module(cfg)
     hf = text_config(raw)
     use_te = use_transformer_engine(cfg.model.transformer_impl)
     config = config if config is not None else transformer_config_from_hf(cfg)
     if cfg.parallel.vpp is not None and vp_stage is None:
         raise ValueError("build_model: parallel.vpp is set, pass vp_stage (or use build_model_chunks)")
-    first, last = _stage_flags(vp_stage)
+    first, last = chunk_stage_flags(groups, vp_stage, cfg.parallel.vpp)
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
-    spec = module.layer_spec(config, use_te, vp_stage, ps.get_pipeline_model_parallel_rank())
+    spec = module.layer_spec(config, use_te, vp_stage, rank_in(groups.pp))
     model_cls = getattr(module, "model_class", None)
     if model_cls is None:
         from .mtp import MTPGPTModel
@@ -110,9 +101,9 @@ def build_model(cfg, pre_process: bool | None = None, post_process: bool | None 
     return model
 
 
-def build_model_chunks(cfg) -> list:
+def build_model_chunks(cfg, groups) -> list:
     """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP)."""
     config = transformer_config_from_hf(cfg)
     if cfg.parallel.vpp is None:
-        return [build_model(cfg, config=config)]
-    return [build_model(cfg, vp_stage=v, config=config) for v in range(cfg.parallel.vpp)]
+        return [build_model(cfg, groups, config=config)]
+    return [build_model(cfg, groups, vp_stage=v, config=config) for v in range(cfg.parallel.vpp)]

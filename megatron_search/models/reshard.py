@@ -47,27 +47,29 @@ def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, vp_stage: int | None = None,
-                    tp_slice: Callable | None = None) -> None:
-    """Copy this rank's shards of `full` (name -> full tensor) into `model`'s parameters."""
-    shards = shard_full_state(model, full, config, vp_stage, tp_slice)
+def load_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, groups,
+                    vp_stage: int | None = None, tp_slice: Callable | None = None) -> None:
+    """Copy this rank's shards (its place in `groups`) of `full` (name -> full tensor) into `model`'s parameters."""
+    shards = shard_full_state(model, full, config, groups, vp_stage, tp_slice)
     with torch.no_grad():
         for local, param in model.named_parameters():
             param.copy_(shards[local.removeprefix("module.")])
 
 
-def shard_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, vp_stage: int | None = None,
-                     tp_slice: Callable | None = None) -> dict[str, torch.Tensor]:
-    """This rank's shard of every tensor in `full`, keyed by `model`'s local parameter names."""
-    from megatron.core import parallel_state as ps
+def shard_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], config, groups,
+                     vp_stage: int | None = None, tp_slice: Callable | None = None) -> dict[str, torch.Tensor]:
+    """This rank's shard (its place in `groups`: tp, ep, expt_tp) of every tensor in `full`, keyed by `model`'s
+    local parameter names."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_search.distributed.stages import rank_in, size_of
 
     layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_experts = config.num_moe_experts or 0
-    ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    ep_size, ep_rank = size_of(groups.ep), rank_in(groups.ep)
     expert_offset = ep_rank * (num_experts // ep_size) if num_experts else 0
-    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
-    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    tp = (rank_in(groups.tp), size_of(groups.tp))
+    etp = (rank_in(groups.expt_tp), size_of(groups.expt_tp))
     out: dict[str, torch.Tensor] = {}
     for local, param in model.named_parameters():
         local = local.removeprefix("module.")

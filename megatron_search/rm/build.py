@@ -17,8 +17,9 @@ def load_encoder(cfg) -> tuple[PairEncoder, int]:
     return PairEncoder(tok, ChatFormat(cfg.model.chat_style), cfg.reward.scorer, cfg.rm.max_length), tok.pad_id
 
 
-def build_scorer(cfg, chunks: list | None = None) -> RMScorer:
-    """An RMScorer on `chunks`, or on freshly built RM chunks loaded from rm.load (model parallel state must exist)."""
+def build_scorer(cfg, groups, chunks: list | None = None) -> RMScorer:
+    """An RMScorer on `chunks`, or on RM chunks built in `groups` and loaded from rm.load (model parallel state
+    must exist)."""
     from .model import build_reward_model_chunks
     from .train import load_rm_weights, rm_checkpoint
 
@@ -26,15 +27,15 @@ def build_scorer(cfg, chunks: list | None = None) -> RMScorer:
         if not cfg.rm.load:
             raise ValueError("rm.load: no trained reward model given (set rm.load=<RM checkpoint>)")
         rm_checkpoint(cfg.rm.load, kind=cfg.reward.scorer)  # fail before building the model
-        chunks = build_reward_model_chunks(cfg)
+        chunks = build_reward_model_chunks(cfg, groups)
         load_rm_weights(chunks, cfg.rm.load, kind=cfg.reward.scorer)
     encoder, pad_id = load_encoder(cfg)
     seq_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    return RMScorer(chunks, encoder, pad_id, 2 * cfg.rm.score_batch_pairs, seq_multiple)
+    return RMScorer(chunks, encoder, pad_id, 2 * cfg.rm.score_batch_pairs, seq_multiple, groups=groups)
 
 
-def preference_service(cfg, chunks: list | None = None):
+def preference_service(cfg, groups, chunks: list | None = None):
     """The GRPO loop's PreferenceService (rewards/preference.PreferenceScorer) for cfg."""
     from .service import PreferenceService
 
-    return PreferenceService(build_scorer(cfg, chunks))
+    return PreferenceService(build_scorer(cfg, groups, chunks))

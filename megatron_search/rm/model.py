@@ -114,11 +114,11 @@ class RewardModel(MegatronModule):
         return result
 
 
-def build_reward_model_chunks(cfg) -> list:
-    """One RewardModel per virtual pipeline stage of this rank (model parallel state must exist)."""
+def build_reward_model_chunks(cfg, groups) -> list:
+    """One RewardModel per virtual pipeline stage of this rank in `groups` (model parallel state must exist)."""
     from megatron_search.models.provider import build_model_chunks
 
-    return [RewardModel(chunk) for chunk in build_model_chunks(cfg)]
+    return [RewardModel(chunk) for chunk in build_model_chunks(cfg, groups)]
 
 
 def values_at(values: Tensor, last_index: Tensor) -> Tensor:

@@ -101,14 +101,13 @@ def pair_deltas(kind: ScorerKind, values: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------------------- forward
-def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int) -> Tensor:
+def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int, groups) -> Tensor:
     """Last-token values [B] of every row, forward only; the same tensor on every rank.
 
     Runs Megatron's schedule (so PP works), gathers the last stage's values and broadcasts them
-    over the pipeline group. Rows are padded with copies of the last row to whole microbatches.
+    over the pipeline group of `groups`. Rows are padded with copies of the last row to whole microbatches.
     """
-    from megatron.core import parallel_state as ps
-
+    from megatron_search.distributed.stages import is_last_stage, last_stage_rank, size_of
     from megatron_search.trainer.step import forward_backward
 
     from .model import values_at
@@ -138,20 +137,20 @@ def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int) -> Tenso
         for c, t in zip(chunks, training):
             c.train(t)
     values = torch.zeros(total, dtype=torch.float32)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if is_last_stage(groups):
         values = torch.cat([d["values"].float().cpu() for d in out])
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # placed on the group's device by the helper
-        coll.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+    if size_of(groups.pp) > 1:  # placed on the group's device by the helper
+        coll.broadcast(values, src=last_stage_rank(groups), group=groups.pp)
     return values[:n]
 
 
 class RMScorer:
     """Batched P_bar / Delta on a reward model (every rank of the model's layout calls it together)."""
 
-    def __init__(self, chunks: list, encoder: PairEncoder, pad_id: int, batch_rows: int, seq_multiple: int = 1):
+    def __init__(self, chunks: list, encoder: PairEncoder, pad_id: int, batch_rows: int, seq_multiple: int = 1,
+                 *, groups):
         self.chunks, self.encoder, self.pad_id = chunks, encoder, pad_id
-        self.batch_rows, self.seq_multiple = batch_rows, seq_multiple
+        self.batch_rows, self.seq_multiple, self.groups = batch_rows, seq_multiple, groups
 
     @property
     def kind(self) -> ScorerKind:
@@ -164,7 +163,7 @@ class RMScorer:
         for i in range(0, len(unique), self.batch_rows):
             part = unique[i:i + self.batch_rows]
             v = forward_values(self.chunks, make_batch(part, self.pad_id, seq_multiple=self.seq_multiple),
-                               self.batch_rows)
+                               self.batch_rows, self.groups)
             out.update(zip(part, v))
         return out
 

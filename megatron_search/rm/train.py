@@ -42,7 +42,7 @@ class RMTrainer(Trainer):
         if total_steps < 1:
             raise ValueError(f"RMTrainer: total_steps must be >= 1, got {total_steps}")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
-        self.model = build_reward_model_chunks(cfg)
+        self.model = build_reward_model_chunks(cfg, ctx.groups)
         self.init_note = "random init"
         if cfg.rm.init_from:
             self.init_note = init_from_policy(self.model, cfg, cfg.rm.init_from, ctx.groups)
@@ -118,13 +118,11 @@ def _loss_fn(kind, sink: list):
     return loss_fn
 
 
-def _global_sums(parts: list) -> torch.Tensor:
+def _global_sums(parts: list, groups) -> torch.Tensor:
     """[correct, margin sum, pairs] summed over microbatches, DP ranks and (zeros off the last stage) PP."""
-    from megatron.core import parallel_state as ps
-
     t = torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.float64)
-    coll.all_reduce(t, group=ps.get_data_parallel_group())
-    coll.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    coll.all_reduce(t, group=groups.dp)
+    coll.all_reduce(t, group=groups.pp)
     return t
 
 
@@ -141,7 +139,7 @@ def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pai
         raise ValueError(f"rm.global_batch_pairs={rm.global_batch_pairs} must be a multiple of data-parallel size "
                          f"{dp} x rm.micro_batch_pairs={rm.micro_batch_pairs}")
     seq_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    scorer = RMScorer(trainer.model, encoder, pad_id, 2 * rm.score_batch_pairs, seq_multiple)
+    scorer = RMScorer(trainer.model, encoder, pad_id, 2 * rm.score_batch_pairs, seq_multiple, groups=trainer.ctx.groups)
     trainer.resume()
     main = trainer.ctx.is_main
     writer = MetricsWriter(Path(cfg.run.output_dir) / "tensorboard", enabled=cfg.logging.tensorboard and main)
@@ -155,7 +153,7 @@ def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pai
             batch = pairs_batch([train_pairs[i] for i in idx], encoder, pad_id, seq_multiple)
             sink: list = []
             m = trainer.step(trainer.dp_slice(batch), _loss_fn(encoder.kind, sink), 2 * rm.micro_batch_pairs)
-            correct, margin, n = _global_sums(sink).tolist()
+            correct, margin, n = _global_sums(sink, trainer.ctx.groups).tolist()
             scalars = {"rm/loss": m["loss"], "rm/accuracy": correct / n, "rm/margin": margin / n,
                        "rm/grad_norm": m["grad_norm"], "rm/lr": m["lr"]}
             it = trainer.iteration

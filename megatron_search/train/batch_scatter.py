@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.stages import rank_in, size_of
 
 from .rollout_batch import RolloutBatch
 
@@ -36,18 +37,17 @@ def _copy(b: RolloutBatch) -> RolloutBatch:
 
 class BatchScatter:
     """Built on every rank after Megatron's groups exist (collective: it learns each replica's first rank and
-    each rank's MoE layers). `moe_layers`: the global MoE layers of this rank's model chunks."""
+    each rank's MoE layers). `groups`: this rank's process groups (DistContext.groups); `moe_layers`: the
+    global MoE layers of this rank's model chunks."""
 
-    def __init__(self, moe_layers: Sequence[int] = ()):
-        from megatron.core import parallel_state as ps
-
-        self.dp = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.mp_group = ps.get_model_parallel_group()
+    def __init__(self, groups, moe_layers: Sequence[int] = ()):
+        self.dp = size_of(groups.dp)
+        self.dp_rank = rank_in(groups.dp)
+        self.mp_group = groups.mp
         self.mp_size = dist.get_world_size(self.mp_group)
         self.leader = dist.get_global_rank(self.mp_group, 0)
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = groups.tp
+        self.tp_size = size_of(groups.tp)
         self.stage_leader = dist.get_global_rank(self.tp_group, 0)  # this stage's first rank (TP rank 0)
         self.rank = dist.get_rank()
         self.layers = tuple(sorted(moe_layers))

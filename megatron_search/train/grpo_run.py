@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_search.distributed.stages import size_of
 from megatron_search.models.routing_replay import moe_routers
 from megatron_search.rewards.batch import RewardBreakdown, RolloutScores, compute_rewards_from_config, reward_generator
 from megatron_search.rewards.preference import ReferenceAnswer
@@ -59,8 +60,6 @@ class GRPORun:
     """Everything one GRPO run holds, and the steps of the loop (see the module docstring)."""
 
     def __init__(self, cfg, ctx):
-        from megatron.core import parallel_state as ps
-
         from megatron_search.trainer.core import Trainer
 
         self.cfg, self.ctx = cfg, ctx
@@ -72,7 +71,7 @@ class GRPORun:
         # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is
         # the token-IS loss on the main head; the MTP layer is frozen, still loaded and synced (the engine's draft).
         self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False)
-        self.dp = ps.get_data_parallel_world_size()
+        self.dp = size_of(ctx.groups.dp)
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
         self.driver = self.sampler = None
@@ -83,7 +82,7 @@ class GRPORun:
         self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
         extra = self.trainer.resume()
         # The reward model runs in the training layout: every rank holds its shard and scores together.
-        self.preference = build_preference(cfg)
+        self.preference = build_preference(cfg, ctx.groups)
         if not extra and cfg.checkpoint.load and not cfg.checkpoint.resume:
             load_model_weights(self.trainer, cfg.checkpoint.load)  # e.g. the SFT checkpoint
         if self.is_driver:
@@ -93,7 +92,8 @@ class GRPORun:
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
         self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver,
                                        reward_model_chunks=self.preference.scorer.chunks)
-        self.scatter_batch = BatchScatter(moe_layers=[layer for layer, _ in moe_routers(self.trainer.model)])
+        moe_layers = [layer for layer, _ in moe_routers(self.trainer.model)]
+        self.scatter_batch = BatchScatter(ctx.groups, moe_layers=moe_layers)
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ class GRPORun:
         g = self.cfg.grpo
         t0 = time.perf_counter()
         history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
-            ddp, optimizer, local, policy_loss=self.policy_loss, aggregation=g.loss_aggregation,
+            ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss, aggregation=g.loss_aggregation,
             micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch, replay=g.routing_replay,
             temperature=training_temperature(self.cfg.rollout)))
         dt = time.perf_counter() - t0

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_search.kernels.logprob import token_logprobs
 
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
 from megatron_search.models.routing_replay import RoutingReplay
 from megatron_search.models.wrappers import unwrap
 
@@ -168,10 +169,11 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
     return out
 
 
-def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: Callable, aggregation: str,
+def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, policy_loss: Callable, aggregation: str,
                   micro_batch_size: int, updates: int = 1, replay: bool = True,
                   temperature: float = 1.0) -> list[dict[str, float]]:
-    """`updates` optimizer steps on this data-parallel rank's share of a rollout batch.
+    """`updates` optimizer steps on this data-parallel rank's share of a rollout batch (`groups`: this rank's
+    process groups, DistContext.groups).
 
     With updates > 1 the batch is split into that many equal parts (one optimizer step each) and
     pi_old is the policy before the first step (computed once, forward only), so PPO clipping
@@ -179,18 +181,14 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, policy_loss: 
     `temperature` scales the logits as the engine's sampling did (make_forward_step).
     Returns one metrics dict per optimizer step (identical on every rank).
     """
-    from megatron.core import parallel_state as ps
-
-    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
-    dp_group, pp_group = ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()
-    dp = ps.get_data_parallel_world_size()
-    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    tp_group = groups.tp if size_of(groups.tp) > 1 else None
+    dp_group, pp_group = groups.dp, groups.pp
+    dp = size_of(groups.dp)
+    last = is_last_stage(groups)
     mbs = split_microbatches(batch, micro_batch_size)
     replay_ctl = agreement = None
     if batch.routed_experts_BSLK is not None:
-
-        where = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                 unwrap(chunks[0]).config.sequence_parallel)
+        where = (rank_in(groups.tp), size_of(groups.tp), unwrap(chunks[0]).config.sequence_parallel)
         layers = batch.moe_layers()  # the global layer of each expert column (this rank's stage, BatchScatter)
         if replay:
             replay_ctl = RoutingReplay(chunks, layers, tp_rank=where[0], tp_size=where[1], sequence_parallel=where[2])

@@ -59,7 +59,8 @@ def rubric_jobs(items: Sequence[MixItem], rollouts: Sequence[Rollout]) -> tuple[
 
 def preference_inputs(items: Sequence[MixItem], rollouts: Sequence[Rollout], references: Sequence[ReferenceAnswer]
                       ) -> tuple[list[list[dict]], list[str], list[str]]:
-    """(prompts, answers, reference answers) for rewards.preference.PreferenceScorer.score; no final answer scores as ''."""
+    """(prompts, answers, reference answers) for rewards.preference.PreferenceScorer.score; no final answer
+    scores as ''."""
     return [it.messages for it in items], [r.final_answer or "" for r in rollouts], [ref.answer for ref in references]
 
 

@@ -78,7 +78,7 @@ class Trainer:
             raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is not wired into training yet "
                              "(batches are not split along the sequence over the CP ranks); use parallel.cp=1")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
-        self.model = build_model_chunks(cfg)
+        self.model = build_model_chunks(cfg, ctx.groups)
         if not train_mtp:
             freeze_mtp(self.model)
         self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)
@@ -120,14 +120,12 @@ class Trainer:
 
     def dp_slice(self, global_batch: Batch) -> Batch:
         """This data-parallel rank's contiguous share of a global batch."""
-        return data_parallel_slice(global_batch)
+        return data_parallel_slice(global_batch, self.ctx.groups)
 
     def _global_loss_tokens(self, batch: Batch) -> int:
-        from megatron.core import parallel_state as ps
-
         n = batch.labels.numel() if batch.loss_mask is None else batch.loss_mask.sum()
         t = torch.tensor(float(n), dtype=torch.float64)
-        coll.all_reduce(t, group=ps.get_data_parallel_group())
+        coll.all_reduce(t, group=self.ctx.groups.dp)
         return int(t.item())
 
     def step(self, batch: Batch, loss_fn: Callable = token_mean_ce, micro_batch_size: Optional[int] = None) -> dict:
@@ -135,7 +133,7 @@ class Trainer:
         mbs = micro_batch_size or self.cfg.sft.micro_batch_size
         lr = self.apply_lr()
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(self.ddp, self.optimizer, batch, mbs, loss_fn)
+        loss, grad_norm = train_step(self.ddp, self.optimizer, batch, mbs, self.ctx.groups, loss_fn)
         tokens = self._global_loss_tokens(batch)
         dt = time.perf_counter() - t0
         self.iteration += 1
@@ -143,7 +141,7 @@ class Trainer:
         out = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens, "step_time_s": dt,
                "tokens_per_s": tokens / dt if dt > 0 else 0.0}
         if self.model[0].config.mtp_num_layers:  # model.mtp: what Megatron added (x mtp_loss_scaling_factor)
-            out["mtp_loss"] = mtp_loss_of_step(batch.tokens.shape[0] // mbs)
+            out["mtp_loss"] = mtp_loss_of_step(batch.tokens.shape[0] // mbs, self.ctx.groups)
         return out
 
     # ------------------------------------------------------------------ checkpoints

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
 
 
 @dataclass
@@ -134,14 +135,12 @@ def forward_backward(
     )
 
 
-def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int,
+def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int, groups,
                loss_fn: Callable = token_mean_ce) -> tuple[float, float]:
     """One optimizer step on this DP rank's `batch`; returns (global mean loss, global grad norm).
 
-    The loss is averaged over microbatches, then over DP ranks (identical on every rank).
+    The loss is averaged over microbatches, then over the DP ranks of `groups` (identical on every rank).
     """
-    from megatron.core import parallel_state as ps
-
     for m in ddp_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
@@ -155,20 +154,19 @@ def train_step(ddp_chunks: list, optimizer, batch: Batch, micro_batch_size: int,
     if not ok:
         raise FloatingPointError("optimizer step skipped (non-finite gradients)")
     loss = torch.zeros((), dtype=torch.float64)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if is_last_stage(groups):
         loss += sum(float(d["loss"]) for d in out) / num_mb
     # Every rank reports the same value: average over DP on the last stage, then share across PP.
-    coll.all_reduce(loss, group=ps.get_data_parallel_group())
-    loss /= ps.get_data_parallel_world_size()
-    coll.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    coll.all_reduce(loss, group=groups.dp)
+    loss /= size_of(groups.dp)
+    coll.all_reduce(loss, group=groups.pp)
     return float(loss), float(grad_norm)
 
 
-def mtp_loss_of_step(num_microbatches: int) -> float:
+def mtp_loss_of_step(num_microbatches: int, groups) -> float:
     """The MTP loss of the training forwards since the last call (Megatron's MTP loss tracker: masked
     token-mean cross entropy of token t+2 per micro-batch, first MTP layer), averaged over micro-batches
     and DP ranks and the same on every rank; the tracker is cleared. 0.0 when no MTP forward ran."""
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
@@ -176,17 +174,15 @@ def mtp_loss_of_step(num_microbatches: int) -> float:
     if "values" in tracker:
         loss += float(tracker["values"][0]) / num_microbatches
         tracker["values"].zero_()
-    coll.all_reduce(loss, group=ps.get_data_parallel_group())
-    loss /= ps.get_data_parallel_world_size()
-    coll.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())  # only the last stage holds it
+    coll.all_reduce(loss, group=groups.dp)
+    loss /= size_of(groups.dp)
+    coll.all_reduce(loss, group=groups.pp)  # only the last stage holds it
     return float(loss)
 
 
-def data_parallel_slice(batch: Batch) -> Batch:
+def data_parallel_slice(batch: Batch, groups) -> Batch:
     """This DP rank's contiguous share of a global batch (same on every TP/PP/CP rank of it)."""
-    from megatron.core import parallel_state as ps
-
-    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp, r = size_of(groups.dp), rank_in(groups.dp)
     n = batch.tokens.shape[0]
     if n % dp:
         raise ValueError(f"global batch of {n} sequences is not divisible by data-parallel size {dp}")

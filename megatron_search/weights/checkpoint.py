@@ -69,7 +69,7 @@ def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progres
     check_architecture(cfg, hf_dir / "config.json")
     arch = cfg.model.architecture
     source = HFTensorSource.from_dir(hf_dir)
-    chunks = build_model_chunks(cfg)
+    chunks = build_model_chunks(cfg, groups)
     load_hf_into_model(chunks, arch, source, groups, progress=progress)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:
