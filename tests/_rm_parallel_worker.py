@@ -49,7 +49,7 @@ def _run(cfg, ctx, full: dict | None, micro_rows: int):
     values = forward_values(trainer.model, batch, micro_rows, ctx.groups)
     sink: list = []
     m = trainer.step(trainer.dp_slice(batch), _loss_fn("pointwise", sink), micro_rows)
-    correct, margin, pairs = _global_sums(sink).tolist()  # the logged accuracy / margin, reduced over DP and PP
+    correct, margin, pairs = _global_sums(sink, ctx.groups).tolist()  # the logged accuracy / margin, reduced over DP and PP
     return {"values": values.tolist(), "loss": m["loss"], "grad_norm": m["grad_norm"], "correct": correct,
             "margin_sum": margin, "pairs": pairs}, saved
 

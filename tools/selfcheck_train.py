@@ -197,7 +197,7 @@ def _convert(arch: str, inputs: dict, ckpt: Path, d: Path) -> dict:
 
     cfg, ctx = _init(arch, inputs)
     try:
-        model = load_mcore_checkpoint(cfg, ckpt / "model_optim")[0].eval()
+        model = load_mcore_checkpoint(cfg, ckpt / "model_optim", ctx.groups)[0].eval()
         gen = torch.Generator().manual_seed(7)
         ids = torch.randint(0, cfg.model.architecture.vocab_size, (2, 40), generator=gen).to(ctx.device)
         pos = torch.arange(ids.shape[1], device=ctx.device).expand_as(ids)
@@ -242,7 +242,7 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
     cfg, ctx = _init(arch, inputs)
     server = None
     try:
-        chunks = load_mcore_checkpoint(cfg, ckpt / "model_optim")
+        chunks = load_mcore_checkpoint(cfg, ckpt / "model_optim", ctx.groups)
         model_arch = cfg.model.architecture
         bucket = max(256 << 10, cfg.largest_weight_bytes())  # several buckets per push; the embedding travels whole
         server = launch_local_server(None, _engine_args(arch, inputs), d / "engine.log", timeout_s=300, device=device)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_search.distributed import collectives as coll
 

@@ -96,8 +96,8 @@ def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Map
         writer.close()
 
 
-def load_mcore_checkpoint(cfg, ckpt_dir: str | Path) -> list[torch.nn.Module]:
-    """Build this rank's model chunks and load a distributed checkpoint into them (any layout)."""
+def load_mcore_checkpoint(cfg, ckpt_dir: str | Path, groups) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (in `groups`) and load a distributed checkpoint into them (any layout)."""
     from megatron.core import dist_checkpointing
 
     from megatron_search.models.provider import build_model_chunks
@@ -107,7 +107,7 @@ def load_mcore_checkpoint(cfg, ckpt_dir: str | Path) -> list[torch.nn.Module]:
         raise FileNotFoundError(f"{ckpt_dir}: not a Megatron distributed checkpoint (no metadata.json)")
     if (ckpt_dir / EXTRA_DIR / "config.json").is_file():
         check_architecture(cfg, ckpt_dir / EXTRA_DIR / "config.json")
-    chunks = build_model_chunks(cfg)
+    chunks = build_model_chunks(cfg, groups)
     sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, c in enumerate(chunks):
@@ -125,7 +125,7 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
     Returns a summary on rank 0 (tensor count, bytes, files), None elsewhere.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    chunks = load_mcore_checkpoint(cfg, ckpt_dir)
+    chunks = load_mcore_checkpoint(cfg, ckpt_dir, groups)
     exporter = HFExporter(chunks, cfg.model.architecture, groups, bucket_bytes, out_dtype=out_dtype)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if rank0 else None
