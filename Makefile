@@ -1,7 +1,7 @@
 # The two set-up commands of the README.
 PY ?= python3
 
-.PHONY: demo test install install-dev
+.PHONY: demo test test-unit install install-dev
 
 install:
 	bash scripts/install.sh
@@ -15,3 +15,7 @@ demo: install
 test: install-dev
 	PYTHON=$(PY) bash scripts/fetch_vllm_contract.sh
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The unit tier only (tests not marked multiprocess, slurm or e2e; pytest.ini): a quick check while editing.
+test-unit: install-dev
+	$(PY) -m pytest -q -p no:cacheprovider -m "not (multiprocess or slurm or e2e)" tests

@@ -119,6 +119,7 @@ def _verdict_server(seen: list):
     return app
 
 
+@pytest.mark.multiprocess
 def test_rubric_judge_batches_counts_malformed_and_leaves_mechanical_rubrics_alone(chat):
     """GRPO's rubric judge (reward.rubric_judge) over HTTP: a judge that replies in form decides the
     rubrics the mechanical checks cannot, one request per response; the local engine serving the random

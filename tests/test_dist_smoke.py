@@ -7,7 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from megatron_search.distributed import free_port
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_smoke_under_torchrun_pp2():

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 PROMPTS, G = 4, 4

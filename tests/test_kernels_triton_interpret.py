@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
 HERE = Path(__file__).parent
 FILES = ["test_kernels_logprob.py", "test_kernels_linear_logprob.py", "test_kernels_group_advantage.py"]
 MIN_TRITON_CASES = 11  # 5 logprob + 2 linear + 4 group-advantage cases; fewer means cases went missing

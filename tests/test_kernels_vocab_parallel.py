@@ -1,6 +1,7 @@
 """Vocab-parallel fused logprob across 2 gloo processes equals the single-process result on the full vocabulary."""
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -8,6 +9,8 @@ import torch.multiprocessing as mp
 from megatron_search.kernels import linear_token_logprobs, token_logprobs
 
 from _tolerance import entropy_tol, linear_logprob_tols, logprob_tol, softmax_grad_tol
+
+pytestmark = pytest.mark.multiprocess
 
 T, H, V = 11, 8, 301  # odd V: rank 0 holds 150 ids, rank 1 holds 151 (explicit vocab_start/vocab_size)
 SPLIT = 150

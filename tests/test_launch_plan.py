@@ -58,6 +58,7 @@ def test_bad_split_is_refused():
         plan_for(["rollout.mode=disaggregated", "cluster.rollout_nodes=4"], "n[1-4]")
 
 
+@pytest.mark.multiprocess
 def test_sbatch_script_dry_run_without_slurm():
     """The dry run shows the engines' API key passing through the environment ($MEGATRON_SEARCH_ENGINE_KEY, read by
     rollout/sglang_serve.py), never on a command line: a key set in the environment appears nowhere in it."""
@@ -82,6 +83,7 @@ def test_plan_names_the_key_variable_and_no_argv_holds_a_key():
     assert "MS_ENGINE_KEY_ENV=MY_ENGINE_KEY" in to_shell(p).splitlines()
 
 
+@pytest.mark.multiprocess
 def test_job_script_generates_a_key_per_job_or_keeps_the_given_one(tmp_path):
     """slurm/lib.sh's ms_engine_key: a fresh secrets.token_urlsafe(32) exported when the variable is unset (two jobs,
     two keys), the job's own key kept otherwise; the log names the variable, never the value."""
@@ -117,6 +119,7 @@ def _fake_srun(tmp_path):
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
+@pytest.mark.multiprocess
 def test_job_script_starts_an_engine_that_exits_again_up_to_the_limit(tmp_path):
     """slurm/lib.sh's ms_serve_engine: an engine that keeps exiting runs 1 + MS_ENGINE_RESTARTS times, into one log."""
     script = (f'source slurm/lib.sh; MS_LOG_DIR={tmp_path}; mkdir -p {tmp_path}/sglang; MS_ENGINE_NODE_0=n7; '
@@ -130,6 +133,7 @@ def test_job_script_starts_an_engine_that_exits_again_up_to_the_limit(tmp_path):
     assert "exited (code 3); restarted 2 time(s), not again" in r.stderr
 
 
+@pytest.mark.multiprocess
 def test_job_script_stops_a_supervised_engine_on_sigterm(tmp_path):
     """ms_cleanup's SIGTERM to the supervisor stops the engine it runs, and no restart follows."""
     import signal

@@ -44,6 +44,7 @@ def test_vllm_disaggregated_and_refusals():
         plan_for(["rollout.engine=vllm", "rollout.vllm.tp=16"], "n[1-2]")
 
 
+@pytest.mark.multiprocess
 def test_vllm_serve_wrapper_puts_the_key_in_the_environment(tmp_path):
     """rollout/vllm.py's main execs the given python args with VLLM_API_KEY from the named variable."""
     key = secrets.token_urlsafe(32)
@@ -55,6 +56,7 @@ def test_vllm_serve_wrapper_puts_the_key_in_the_environment(tmp_path):
     assert out.stdout.split() == ["True", "1", "2,3"] and key not in out.stderr
 
 
+@pytest.mark.multiprocess
 def test_sbatch_dry_run_shows_vllm_servers():
     key = secrets.token_urlsafe(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}

@@ -15,6 +15,8 @@ import pytest
 
 from _parallel_harness import ARCHITECTURES, LAYOUTS, LAYOUTS_4, run_architectures
 
+pytestmark = pytest.mark.multiprocess
+
 RTOL = 1e-4
 # Per-parameter gradient shards and updates: fp32 reduction-order noise reaches 1.05e-4 / 1.2e-4 on the
 # 4-entry GDN dt_bias / A_log of Qwen3.5 at TP=2+SP since attention runs through SDPA (1.4e-5 before);

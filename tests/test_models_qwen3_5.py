@@ -247,15 +247,18 @@ def one_process_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.multiprocess
 def test_conversion_covers_every_parameter(one_process_run):
     assert one_process_run["missing"] == [] and one_process_run["unexpected"] == []
 
 
+@pytest.mark.multiprocess
 def test_megatron_logits_match_hf(one_process_run):
     r = one_process_run
     assert r["max_abs_diff"] <= 1e-4 * max(1.0, r["ref_max"]), r
 
 
+@pytest.mark.multiprocess
 def test_forward_backward_finite_and_every_parameter_gets_a_gradient(one_process_run):
     r = one_process_run
     assert math.isfinite(r["loss"]) and r["n_params"] > 50
@@ -263,6 +266,7 @@ def test_forward_backward_finite_and_every_parameter_gets_a_gradient(one_process
     assert r["no_grad"] == []
 
 
+@pytest.mark.multiprocess
 def test_mtp_layer_builds_and_trains(one_process_run):
     r = one_process_run
     assert math.isfinite(r["mtp_loss"]) and r["mtp_no_grad"] == []

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -79,6 +79,7 @@ def _share_rank(rank: int, nprocs: int, port: int, out_dir: str, given: str) -> 
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_rank_zeros_key_reaches_every_rank(tmp_path):
     """Rank 0 generates the key (its variable unset) and every rank ends up holding it, with clients pointed at it."""
     from _mp import run_spawned

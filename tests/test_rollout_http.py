@@ -31,6 +31,8 @@ from megatron_search.rollout.weight_group import FLAT, open_weight_group, send_f
 from megatron_search.search.base import SearchBackend, SearchResult
 from megatron_search.search.tool import SearchTool
 
+pytestmark = pytest.mark.multiprocess
+
 MODEL = "configs/models/tiny_qwen3_moe"
 WORDS = "the of and a to in is was for on that with as by search web answer question paris capital river city".split()
 

@@ -22,6 +22,8 @@ from megatron_search.rollout.local_runner import load_hf_model
 from megatron_search.rollout.sglang import SGLangClient, launch_local_server
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
 
+pytestmark = pytest.mark.multiprocess
+
 MODEL = "configs/models/tiny_qwen3_moe"
 KEY_ENV = "MS_TEST_ENGINE_KEY"
 KEY = secrets.token_urlsafe(32)

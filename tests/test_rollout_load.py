@@ -122,6 +122,7 @@ def fault_servers(tmp_path):
         proc.wait(30)
 
 
+@pytest.mark.multiprocess
 def test_256_rollouts_under_faults_all_classified_nothing_leaks(fault_servers):
     tok, cases, plan, ports, proc = fault_servers
     engine_url, search_url = (f"http://127.0.0.1:{ports[k]}" for k in ("engine", "search"))
@@ -309,6 +310,7 @@ async def hang_up(port: int, n_ids: int) -> None:
     await writer.wait_closed()
 
 
+@pytest.mark.multiprocess
 def test_local_server_256_concurrent_rollouts_and_hangups(bpe, tmp_path):
     server = launch_local_server(None, ["rollout.local.seed=0", f"rollout.local.max_running_requests={N}"],
                                  tmp_path / "engine.log", timeout_s=300)

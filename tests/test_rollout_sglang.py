@@ -111,6 +111,7 @@ def test_client_against_sglang_shaped_answers():
     assert seen[1] == {"model_path": "/ckpt", "abort_all_requests": False, "weight_version": "13"}
 
 
+@pytest.mark.multiprocess
 def test_server_that_dies_reports_its_log(tmp_path):
     server = ServerProcess([sys.executable, "-c", "import sys; print('boom: no GPU'); sys.exit(3)"], tmp_path / "s.log")
     with pytest.raises(EngineError, match="exited with code 3(.|\n)*boom: no GPU"):
@@ -208,6 +209,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.multiprocess
 def test_sglang_gets_the_key_from_the_environment_not_argv_and_logs_never_show_it(tmp_path, monkeypatch):
     """launch_sglang_servers through rollout/sglang_serve.py with a stand-in SGLang main: the key (generated for
     the job, the variable being unset) reaches SGLang's parser as --api-key in memory; it is on no process's

@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
 HERE = Path(__file__).parent
 ENDPOINTS = {
     "/generate", "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",

@@ -73,6 +73,7 @@ def greedy(model, ids, n):
     return ids
 
 
+@pytest.mark.multiprocess
 def test_generate_logprobs_experts_and_seeds(engines, model_a):
     url = engines.servers[0].url
     prompt = [5, 17, 300, 42, 8, 99, 1000, 7]
@@ -95,6 +96,7 @@ def test_generate_logprobs_experts_and_seeds(engines, model_a):
     assert a.prompt_tokens == len(prompt) and a.weight_version == "default"
 
 
+@pytest.mark.multiprocess
 def test_stop_token_and_model_info(engines, model_a):
     url = engines.servers[0].url
     prompt = [11, 12, 13]
@@ -110,6 +112,7 @@ def test_stop_token_and_model_info(engines, model_a):
     assert info.weight_version == "default" and info.model_path and healthy and mem["weights"] > 0
 
 
+@pytest.mark.multiprocess
 def test_disk_update_sleep_wake_and_retract(engines, model_a, tmp_path):
     url = engines.servers[0].url
     model_b = load_hf_model(MODEL, seed=1)
@@ -151,6 +154,7 @@ def test_disk_update_sleep_wake_and_retract(engines, model_a, tmp_path):
     assert out["long"] == (400, "length", "v3")
 
 
+@pytest.mark.multiprocess
 def test_vllm_key_rule_and_refusals(engines):
     url = engines.servers[0].url
     key = key_from_env()
@@ -227,6 +231,7 @@ def test_config_checks_and_launch_line():
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": os.environ["MS_TEST_VLLM_KEY"]}
 
 
+@pytest.mark.multiprocess
 def test_engine_urls_get_the_client_of_rollout_engine():
     """Attached URLs (rollout.engine_urls, eval model URLs) are driven with the API rollout.engine names."""
     from megatron_search.eval.run import open_engine

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 HERE = Path(__file__).parent
 CONTRACT = Path(os.environ.get("MS_VLLM_CONTRACT_PATH", HERE.parent / ".cache" / "vllm-contract-0.33.0"))
 

@@ -16,6 +16,8 @@ import torch
 from _mp import run_spawned
 from _replay_recompute_worker import worker
 
+pytestmark = pytest.mark.multiprocess
+
 ARCHS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}
 
 

@@ -25,6 +25,8 @@ import pytest
 
 from _sft_helpers import train_tokenizer, write_dataset
 
+pytestmark = pytest.mark.slurm
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tests" / "slurm" / "local_cluster.sh"
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "gpu_selfcheck.py"

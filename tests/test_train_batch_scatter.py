@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from _mp import run_spawned
+
+pytestmark = pytest.mark.multiprocess
 
 B, S, L, K = 8, 6, 4, 2
 LAYOUTS = {"tp2_pp2": ["parallel.tp=2", "parallel.etp=2", "parallel.pp=2", "parallel.sequence_parallel=true"],

@@ -3,6 +3,7 @@
 bit for bit (the SFT tests cover the distributed optimizer, the CPU default)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_search.trainer.step import Batch
@@ -14,6 +15,7 @@ def _batch(i: int) -> Batch:
     return Batch(t[:, :-1].contiguous(), t[:, 1:].contiguous(), (torch.rand(4, 16, generator=g) > 0.3).float())
 
 
+@pytest.mark.e2e
 def test_plain_optimizer_resume_is_bitwise(tmp_path):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

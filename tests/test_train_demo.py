@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 
 def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     from megatron_search.cli import main

@@ -81,6 +81,7 @@ def check_colocated_cycle(run_dir: Path, steps: int) -> None:
     assert scalars(run_dir, "time/offload_s") and scalars(run_dir, "time/release_s") and scalars(run_dir, "time/resume_s")
 
 
+@pytest.mark.e2e
 def test_grpo_two_steps_one_process(fx, tmp_path):
     from _grpo_fixture import grpo_worker
     from _mp import run_spawned
@@ -121,6 +122,7 @@ def test_grpo_two_steps_one_process(fx, tmp_path):
     assert forced and all(a == 1.0 for a in forced)
 
 
+@pytest.mark.e2e
 def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):
     from _grpo_fixture import grpo_worker
     from _mp import run_spawned

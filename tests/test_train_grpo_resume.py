@@ -12,7 +12,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.e2e
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -12,6 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 RUBRIC = "The reply is polite and friendly"

@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_train_grpo import check_run, scalars  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory):

@@ -15,6 +15,8 @@ import torch
 
 from _sft_helpers import sft_config, write_dataset
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -112,6 +112,7 @@ def test_packed_batch_labels_and_mask_align(tmp_path, tok_dir):
     assert torch.equal(nxt.tokens, again.tokens) and torch.equal(nxt.loss_mask, again.loss_mask)
 
 
+@pytest.mark.e2e
 def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir, monkeypatch, capsys):
     """Through the `megatron-search sft` command (in this process)."""
     from megatron_search.cli import main

@@ -12,6 +12,8 @@ import pytest
 
 from _sft_helpers import sft_config, train_tokenizer, write_dataset
 
+pytestmark = pytest.mark.multiprocess
+
 LAYOUTS = {
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4", "checkpoint.save_interval=2"],
     "ep2": ["parallel.ep=2", "sft.steps=4", "checkpoint.save_interval=2"],

@@ -11,6 +11,7 @@ import torch
 from _sft_helpers import sft_config, train_tokenizer, write_dataset
 
 
+@pytest.mark.e2e
 def test_skill_check_stops_the_run_and_decodes_as_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

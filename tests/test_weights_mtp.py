@@ -330,6 +330,7 @@ def _stored(ckpt: Path) -> set[str]:
     return HFTensorSource.from_dir(ckpt).names()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mtp_round_trip_is_bitwise(run, layout):
     ckpt, _, per_rank = run
@@ -341,6 +342,7 @@ def test_mtp_round_trip_is_bitwise(run, layout):
     assert per_rank[1]["export"][layout] == ([], [])
 
 
+@pytest.mark.multiprocess
 def test_pp2_last_stage_embedding_copy_equals_the_first(run):
     _, _, per_rank = run
     by_stage = dict(r["pp2_embedding"] for r in per_rank)
@@ -348,12 +350,14 @@ def test_pp2_last_stage_embedding_copy_equals_the_first(run):
     assert (by_stage[0] == by_stage[1]).all()  # loaded alike: either may be the one exported
 
 
+@pytest.mark.multiprocess
 def test_mtp_off_carries_mtp_through(run):
     ckpt, _, per_rank = run
     names, bad = per_rank[0]["export"]["mtp_off"]
     assert bad == [] and sorted(names) == sorted(n for n in _stored(ckpt) if not n.startswith(("model.visual.", "mtp.")))
 
 
+@pytest.mark.multiprocess
 def test_eh_proj_input_is_embedding_then_hidden(run):
     _, ref, per_rank = run
     got = torch.from_numpy(per_rank[0]["forward"]["eh_in"]).double()
@@ -366,6 +370,7 @@ def test_eh_proj_input_is_embedding_then_hidden(run):
     assert (got[:, :-1, :h] - want[:, :-1, h:]).abs().max().item() > 0.1  # the halves are distinguishable
 
 
+@pytest.mark.multiprocess
 def test_mtp_logits_match_float64_reference(run):
     _, ref, per_rank = run
     for rank in (0, 1):  # DP=2: both replicas compute it
@@ -374,6 +379,7 @@ def test_mtp_logits_match_float64_reference(run):
         assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
 
 
+@pytest.mark.multiprocess
 def test_sft_step_trains_mtp_under_the_loss_mask(run):
     _, ref, per_rank = run
     # MTP at position t predicts token t+2 and counts where the main loss counts position t+1
@@ -394,6 +400,7 @@ def test_sft_step_trains_mtp_under_the_loss_mask(run):
             assert name in changed  # the MTP loss reached them: MTP trains in SFT
 
 
+@pytest.mark.multiprocess
 def test_forward_without_labels_is_the_main_head(run):
     _, ref, per_rank = run
     got = torch.from_numpy(per_rank[0]["forward"]["main_logits"]).double()
@@ -401,6 +408,7 @@ def test_forward_without_labels_is_the_main_head(run):
     assert (got - ref["main_logits"]).abs().max().item() <= 1e-4 * max(1.0, ref["main_logits"].abs().max().item())
 
 
+@pytest.mark.multiprocess
 def test_grpo_update_leaves_frozen_mtp_as_loaded(run):
     _, _, per_rank = run
     for r in per_rank:
@@ -410,6 +418,7 @@ def test_grpo_update_leaves_frozen_mtp_as_loaded(run):
         assert any(n.startswith("decoder.layers.") for n in g["changed"])  # the policy did move
 
 
+@pytest.mark.multiprocess
 def test_missing_mtp_tensor_is_named(run):
     _, _, per_rank = run
     for r in per_rank:

@@ -18,6 +18,8 @@ import torch
 from megatron_search.weights.hf_source import HFTensorSource
 from megatron_search.weights.launch import run_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("qwen3_moe", "qwen3_5_moe")
 PROMPT = [5, 17, 300, 42, 7, 1999, 64, 128, 3, 11, 256, 900]

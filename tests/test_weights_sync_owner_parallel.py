@@ -15,6 +15,8 @@ import pytest
 from megatron_search.rollout.sglang import launch_local_server
 from megatron_search.weights.launch import run_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parents[1]
 ARCH = REPO / "configs" / "models" / "tiny_qwen3_5_moe"
 BUCKET = 512 << 10  # the largest tensor (embedding, 2048 x 64 fp32); several rounds for the ~2 MB text model

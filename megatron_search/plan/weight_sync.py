@@ -16,6 +16,7 @@ engine on it that no rank of that node holds.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from megatron_search.config.hf import Architecture
@@ -154,8 +155,21 @@ def _floor(params: list[ParamShards], rank_node: list[int], engine_node: list[in
     return worst / nic_node, worst / 1e9
 
 
+_REPORTS: dict[tuple, SyncReport] = {}  # the send plan takes seconds at 397B; configs differing elsewhere share it
+
+
 def weight_sync_report(cfg, train_gpus: int) -> SyncReport:
-    """The planned owner-parallel sync and a rank-0 funnel, priced for `cfg` on its cluster."""
+    """The planned owner-parallel sync and a rank-0 funnel, priced for `cfg` on its cluster (a copy; computed
+    once per process for each distinct input: model, layout, cluster, engines, bucket and sync path)."""
+    p, c, r = cfg.parallel, cfg.cluster, cfg.rollout
+    key = (cfg.model.architecture, p.tp, p.pp, p.ep, p.etp, train_gpus, c.model_dump_json(), r.mode, r.sglang.tp,
+           r.sglang.dp, cfg.weight_bucket_bytes(), r.resolved_weight_sync())
+    if key not in _REPORTS:
+        _REPORTS[key] = _weight_sync_report(cfg, train_gpus)
+    return copy.deepcopy(_REPORTS[key])
+
+
+def _weight_sync_report(cfg, train_gpus: int) -> SyncReport:
     a, p, c, r = cfg.model.architecture, cfg.parallel, cfg.cluster, cfg.rollout
     params = layout_params(a, p.tp, p.pp, p.ep, p.etp, train_gpus)
     gpn = c.gpus_per_node
