@@ -168,8 +168,9 @@ class GRPORun:
         g = self.cfg.grpo
         t0 = time.perf_counter()
         history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
-            ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss, aggregation=g.loss_aggregation,
-            micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch, replay=g.routing_replay,
+            ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
+            aggregation=g.loss_aggregation, micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch,
+            replay=g.routing_replay,
             temperature=training_temperature(self.cfg.rollout)))
         dt = time.perf_counter() - t0
         m = self.metrics

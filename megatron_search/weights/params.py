@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from megatron_search.distributed.stages import rank_in, size_of
 from megatron_search.models.hf_mapping import Mapping, MappingError, Match
 from megatron_search.models.wrappers import unwrap
 
@@ -41,12 +42,6 @@ class LocalParam:
         if layout.dim is not None:
             shape[layout.dim] *= self.tp_size
         return tuple(shape)
-
-
-def _group_coords(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return group.rank(), group.size()
 
 
 def _global_experts(layer: torch.nn.Module, rest: str) -> str:
@@ -105,8 +100,8 @@ def local_params(model_chunks: Iterable[torch.nn.Module], mapping: Mapping, grou
     `groups` needs `.tp` and optionally `.expt_tp` (a Megatron ProcessGroupCollection works).
     Raises MappingError naming the first parameter the table does not cover.
     """
-    tp = _group_coords(getattr(groups, "tp", None))
-    etp = _group_coords(getattr(groups, "expt_tp", None))
+    tp_group, etp_group = getattr(groups, "tp", None), getattr(groups, "expt_tp", None)
+    tp, etp = (rank_in(tp_group), size_of(tp_group)), (rank_in(etp_group), size_of(etp_group))
     out: list[LocalParam] = []
     for chunk in model_chunks:
         model = unwrap(chunk)
