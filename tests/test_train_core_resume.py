@@ -62,5 +62,5 @@ def test_context_parallel_training_is_refused_before_anything_is_built():
     from megatron_search.trainer.core import Trainer
 
     cfg = config_from_dict({"model": {"hf_config": "configs/models/tiny_qwen3_moe"}, "parallel": {"cp": 2}})
-    with pytest.raises(ValueError, match=r"parallel.cp=2: context parallelism is not wired into training"):
+    with pytest.raises(ValueError, match=r"parallel\.cp: 2: context parallelism is not wired into training"):
         Trainer(cfg, ctx=None, total_steps=1)

@@ -141,11 +141,13 @@ def test_grpo_two_steps_tp2_and_ep2(fx, tmp_path):
 
 
 def test_greedy_rollouts_are_refused():
-    """rollout.temperature=0 would make every rollout of a group the same: refused before any work."""
+    """rollout.temperature=0 would make every rollout of a group the same: the GRPO job refuses it at start-up,
+    before the process group or the model exists (config.stage_problems; loading for the stage refuses it too)."""
     from megatron_search.config import load_config
-    from megatron_search.train.grpo import GRPORun
+    from megatron_search.distributed import LayoutError
+    from megatron_search.train.grpo import run_grpo
 
     cfg = load_config(None, ["rollout.temperature=0"])
-    with pytest.raises(ValueError, match="rollout.temperature=0"):
-        GRPORun(cfg, ctx=None)
+    with pytest.raises(LayoutError, match=r"rollout\.temperature: 0 samples greedily"):
+        run_grpo(cfg)
 

@@ -9,7 +9,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
 
 
-def load_from_args(args: argparse.Namespace):
+def load_from_args(args: argparse.Namespace, stage: str | None = None):
+    """The config of `args` (YAML + overrides); with `stage`, validated for that job (config.stage_problems)."""
     from megatron_search.config import load_config
 
     overrides = list(args.overrides)
@@ -18,4 +19,4 @@ def load_from_args(args: argparse.Namespace):
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)
         config = None
-    return load_config(config, overrides)
+    return load_config(config, overrides, stage=stage)

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.resume:
         args.overrides.append("checkpoint.resume=true")
-    cfg = load_from_args(args)
+    cfg = load_from_args(args, stage="grpo")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
     from megatron_search.train.grpo import run_grpo
 

@@ -16,13 +16,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_search.config import load_config
+    from megatron_search.config import load_config, stage_problems
     from megatron_search.distributed.env import expand_hostlist
     from megatron_search.launch.slurm_plan import LaunchError, describe, make_launch_plan, to_shell
     from megatron_search.plan import format_plan, make_plan
 
     nodes = len(expand_hostlist(args.nodelist))
-    cfg = load_config(args.config, [*args.overrides, f"cluster.nodes={nodes}", "parallel.world_size=null"])
+    # The real launch (shell) refuses a config its job would refuse, input paths included; a dry run (text)
+    # lists what is still to be set and prints the plan anyway.
+    cfg = load_config(args.config, [*args.overrides, f"cluster.nodes={nodes}", "parallel.world_size=null"],
+                      stage=args.stage if args.format == "shell" else None)
     try:
         plan = make_launch_plan(cfg, args.stage, args.nodelist, args.config, list(args.overrides), args.tasks_per_node)
     except LaunchError as e:
@@ -32,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
         print(to_shell(plan))
         return 0
     print(describe(plan))
+    missing = [p for p in stage_problems(cfg, args.stage, None) if p not in stage_problems(cfg, args.stage, None, False)]
+    if missing:
+        print("to set before submitting:\n  " + "\n  ".join(missing))
     if cfg.rollout.engine == "sglang" or cfg.cluster.gpus_per_node > 1:
         print(format_plan(make_plan(cfg, args.stage), f"memory plan on {nodes} x {cfg.cluster.gpus_per_node} GPUs"))
     return 0

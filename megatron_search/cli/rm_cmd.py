@@ -60,10 +60,10 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _init(cfg):
+def _init(cfg, stage: str | None = None):
     from megatron_search.distributed import init_distributed
 
-    return init_distributed(cfg)
+    return init_distributed(cfg, stage=stage)
 
 
 def _read(path: str, cfg, what: str):
@@ -106,11 +106,11 @@ def _demo_data(cfg, n: int):
 def run_train(args: argparse.Namespace) -> int:
     from megatron_search.rm.data import PreferenceDataError, ReadStats, filter_by_agreement
 
-    cfg = load_from_args(args)
+    cfg = load_from_args(args, stage="rm")
     try:
         if args.demo is not None:
             args.overrides = list(args.overrides) + [f"{k}={v}" for k, v in _demo_data(cfg, args.demo).items()]
-            cfg = load_from_args(args)
+            cfg = load_from_args(args, stage="rm")
         if not cfg.rm.train_data:
             return _fail("rm.train_data: no training pairs given (or use --demo N)")
         train = _read(cfg.rm.train_data, cfg, "train")
@@ -125,7 +125,7 @@ def run_train(args: argparse.Namespace) -> int:
     from megatron_search.rm.build import load_encoder
     from megatron_search.rm.train import RMTrainer, train_rm
 
-    ctx = _init(cfg)
+    ctx = _init(cfg, stage="rm")
     try:
         encoder, pad_id = load_encoder(cfg)
         trainer = RMTrainer(cfg, ctx)

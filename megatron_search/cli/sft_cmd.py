@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.resume:
         args.overrides.append("checkpoint.resume=true")
-    cfg = load_from_args(args)
+    cfg = load_from_args(args, stage="sft")
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
     from megatron_search.data.jsonl import DataError
     from megatron_search.train.sft import run_sft

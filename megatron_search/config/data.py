@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from .base import Section
 
@@ -98,6 +98,9 @@ class RubricConfig(Section):
     policy_model: Optional[str] = None
 
 
+MIX_DATASETS = ("qa", "rubric")  # the sources of GRPO prompts (train/grpo_data.py)
+
+
 class DataConfig(Section):
     qa_path: Optional[str] = Field(None, description="verifiable QA records (data/records.py): JSONL / parquet / "
                                    "Arrow file, or a local folder in the Hub's layout or saved with save_to_disk")
@@ -113,3 +116,15 @@ class DataConfig(Section):
     convert: ConvertConfig = Field(default_factory=ConvertConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
     rubric: RubricConfig = Field(default_factory=RubricConfig)
+
+    @field_validator("mix")
+    @classmethod
+    def _known_datasets(cls, mix: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(mix) - set(MIX_DATASETS))
+        if unknown:
+            raise ValueError(f"unknown dataset(s) {unknown} (known: {', '.join(MIX_DATASETS)})")
+        negative = {k: v for k, v in mix.items() if v < 0}
+        if negative:
+            raise ValueError(f"negative weight(s) {negative}")
+        return mix
+

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from .schema import Config
+from .schema import Config, stage_problems
 
 
 class ConfigError(ValueError):
@@ -61,15 +61,16 @@ def _format(err: ValidationError) -> list[str]:
     return lines
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
+def config_from_dict(data: dict[str, Any], source: str = "config", stage: str | None = None) -> Config:
+    """Validate `data`; with a stage (sft, rm, grpo) also that job's checks (schema.stage_problems)."""
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"stage": stage})
     except ValidationError as e:
         raise ConfigError(_format(e), source) from None
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Read YAML (or start from defaults when path is None), apply overrides, validate."""
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), stage: str | None = None) -> Config:
+    """Read YAML (or start from defaults when path is None), apply overrides, validate (for `stage`, if given)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -83,7 +84,15 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError([f"{path}: top level must be a mapping"], source)
         data = loaded or {}
-    return config_from_dict(apply_overrides(data, overrides), source)
+    return config_from_dict(apply_overrides(data, overrides), source, stage)
+
+
+def require_stage(cfg: Config, stage: str, world_size: int | None = None) -> None:
+    """A job's first check: everything `stage` needs of `cfg` (at the real world size when given), every
+    problem on its own line, as load_config reports them."""
+    problems = stage_problems(cfg, stage, world_size)
+    if problems:
+        raise ConfigError(problems, f"{stage} config")
 
 
 def dump_config(cfg: Config) -> str:

@@ -6,7 +6,9 @@ line naming the field, so one failed load shows everything that needs fixing.
 """
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Literal, Optional
+
+from pydantic import Field, ValidationInfo, model_validator
 
 from .base import Section
 from .cluster import ClusterConfig
@@ -41,8 +43,13 @@ class Config(Section):
     demo: DemoConfig = Field(default_factory=DemoConfig)
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Config":
+    def _cross_checks(self, info: ValidationInfo) -> "Config":
+        """Checks spanning sections; with a stage in the validation context (load_config(..., stage=)),
+        also the checks of that job (stage_problems)."""
         problems = layout_problems(self, self.parallel.world_size)
+        stage = (info.context or {}).get("stage")
+        if stage is not None:
+            problems += stage_problems(self, stage, self.parallel.world_size)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -80,6 +87,8 @@ class Config(Section):
         return world_size // (p.tp * p.pp * p.cp)
 
 
+Stage = Literal["sft", "rm", "grpo"]
+STAGES: tuple[str, ...] = ("sft", "rm", "grpo")
 IN_PROCESS_REFERENCE_MAX_PARAMS = 2_000_000_000  # a transformers model on rank 0 beyond this is not a reference engine
 
 
@@ -192,3 +201,68 @@ def vllm_problems(cfg: Config, sync: str) -> list[str]:
         out.append("rollout.vllm.enable_sleep_mode: colocated engines free their memory while the policy trains "
                    "(/sleep, /wake_up), which vLLM serves only with --enable-sleep-mode")
     return out
+
+
+def stage_problems(cfg: Config, stage: Optional[str], world_size: int | None, inputs: bool = True) -> list[str]:
+    """What one job (sft, rm or grpo training) needs of the config beyond a valid layout, one message each.
+
+    Run when a config is loaded for a stage (the stage's own command, `megatron-search config --stage`,
+    `launch-plan` in the allocation), by `plan`, and again by the job at start-up with the real world size
+    (init_distributed(stage=)), so a config that cannot run fails before it is submitted. Batch divisibility
+    needs the data-parallel size: checked when `world_size` is known and the layout divides it. `inputs=False`
+    leaves out the run's input paths (rm.load, data.*_path), which the shipped configs leave to the launch
+    command line: the planner checks the settings alone."""
+    if stage is None:
+        return []
+    if stage not in STAGES:
+        return [f"stage {stage!r}: not one of {', '.join(STAGES)}"]
+    p, out = cfg.parallel, training_problems(cfg)
+    model_ranks = p.tp * p.pp * p.cp
+    dp = world_size // model_ranks if world_size and world_size % model_ranks == 0 else None
+    if stage == "sft" and dp is not None:
+        s = cfg.sft
+        if s.global_batch_size % (dp * s.micro_batch_size):
+            out.append(f"sft.global_batch_size: {s.global_batch_size} is not a multiple of data-parallel size {dp} x "
+                       f"sft.micro_batch_size={s.micro_batch_size} (world size {world_size})")
+    if stage == "rm" and dp is not None:
+        rm = cfg.rm
+        if rm.global_batch_pairs % (dp * rm.micro_batch_pairs):
+            out.append(f"rm.global_batch_pairs: {rm.global_batch_pairs} is not a multiple of data-parallel size {dp} "
+                       f"x rm.micro_batch_pairs={rm.micro_batch_pairs} (world size {world_size})")
+    if stage == "grpo":
+        out += _grpo_problems(cfg, inputs)
+    return out
+
+
+def training_problems(cfg: Config) -> list[str]:
+    """What any training job (the Trainer of sft, rm and grpo) needs of the layout beyond its validity."""
+    cp = cfg.parallel.cp
+    if cp > 1:
+        # Megatron-Core leaves the split to the caller (each CP rank feeds its chunk of the sequence); the
+        # training step feeds whole sequences, which would be wrong, not just slow.
+        return [f"parallel.cp: {cp}: context parallelism is not wired into training (batches are not split "
+                f"along the sequence over the CP ranks); use parallel.cp=1"]
+    return []
+
+
+def _grpo_problems(cfg: Config, inputs: bool) -> list[str]:
+    g, d, out = cfg.grpo, cfg.data, []
+    if cfg.rollout.temperature == 0:
+        out.append("rollout.temperature: 0 samples greedily, so the G rollouts of a group would be identical and "
+                   "carry no signal; GRPO needs a temperature > 0")
+    if not any(w > 0 for w in d.mix.values()):
+        out.append(f"data.mix: {d.mix} gives no dataset a positive weight; GRPO has no prompts")
+    if not inputs:
+        return out
+    if not cfg.rm.load:
+        out.append("rm.load: GRPO needs a trained reward model for the preference score s (train one with "
+                   "`megatron-search rm train`, then pass rm.load=<its checkpoint>)")
+    paths = {"qa": d.qa_path, "rubric": d.rubric_path}
+    for name, weight in d.mix.items():
+        if weight > 0 and not paths[name]:
+            out.append(f"data.mix: gives {name!r} weight {weight} but data.{name}_path is not set (set it, or drop "
+                       f"{name!r} from data.mix)")
+    if g.eval_interval and not d.qa_path:
+        out.append("grpo.eval_interval: evaluation answers held-out records of data.qa_path, which is not set")
+    return out
+

@@ -1,7 +1,8 @@
 """Start torch.distributed + Megatron model parallel for a config; hand back the groups explicitly.
 
 `init_distributed(cfg)` reads the placement (torchrun or Slurm, see env.py), checks the real world
-size against the parallel layout (the same rules as config validation), initialises the process
+size against the parallel layout (the same rules as config validation; with `stage=`, the job's own
+checks too, batch sizes against the real data-parallel size), initialises the process
 group (nccl on GPU, gloo on CPU, or cfg.parallel.backend), Megatron's TP/PP/VPP/CP/EP/ETP groups
 and RNG seeds, and switches on the CPU compatibility layer when there is no GPU. The returned
 `DistContext` carries the ranks and Megatron's ProcessGroupCollection; `teardown()` undoes it all.
@@ -24,7 +25,7 @@ from .env import DistEnv, read_dist_env
 
 
 class LayoutError(RuntimeError):
-    """The launched world does not fit cfg.parallel."""
+    """The launched world does not fit cfg.parallel, or the config does not fit the job (config.stage_problems)."""
 
 
 @dataclass
@@ -113,18 +114,20 @@ def share_engine_key(name: str) -> None:
     use_key_env(name)
 
 
-def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0) -> DistContext:
-    """Initialise torch.distributed and Megatron model parallel for `cfg`; see module docstring."""
+def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0,
+                     stage: str | None = None) -> DistContext:
+    """Initialise torch.distributed and Megatron model parallel for `cfg`; see module docstring. With `stage`
+    (sft, rm, grpo) that job's config checks run too, at the real world size (config.stage_problems)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_search.config.schema import layout_problems
+    from megatron_search.config.schema import layout_problems, stage_problems
 
     from .cpu_compat import define_missing_te_gemm, enable_cpu_compat
 
     env = env or read_dist_env()
-    problems = layout_problems(cfg, env.world_size)
+    problems = layout_problems(cfg, env.world_size) + stage_problems(cfg, stage, env.world_size)
     if problems:
         raise LayoutError(f"world size {env.world_size} ({env.source}):\n  " + "\n  ".join(problems))
     backend = resolve_backend(cfg.parallel.backend)

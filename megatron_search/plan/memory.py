@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_search.config.hf import Architecture
-from megatron_search.config.schema import Config, layout_problems
+from megatron_search.config.schema import Config, layout_problems, stage_problems
 
 from .params import ParamCounts, count_params
 
@@ -205,7 +205,7 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
         rollout_gpus = c.rollout_nodes * c.gpus_per_node
     else:
         train_gpus = rollout_gpus = total
-    problems += layout_problems(cfg, train_gpus)
+    problems += layout_problems(cfg, train_gpus) + stage_problems(cfg, stage_kind, train_gpus, inputs=False)
     p = cfg.parallel
     dp = max(train_gpus // (p.tp * p.pp * p.cp), 1)
     counts = count_params(cfg.model.architecture, include_mtp=cfg.model.mtp)

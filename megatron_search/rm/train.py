@@ -133,10 +133,6 @@ def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pai
     cfg, rm = trainer.cfg, trainer.cfg.rm
     if not train_pairs:
         raise ValueError("rm train: no training pairs")
-    dp = trainer.ctx.dp_size
-    if rm.global_batch_pairs % (dp * rm.micro_batch_pairs):
-        raise ValueError(f"rm.global_batch_pairs={rm.global_batch_pairs} must be a multiple of data-parallel size "
-                         f"{dp} x rm.micro_batch_pairs={rm.micro_batch_pairs}")
     seq_multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     scorer = RMScorer(trainer.model, encoder, pad_id, 2 * rm.score_batch_pairs, seq_multiple, groups=trainer.ctx.groups)
     trainer.resume()

@@ -29,7 +29,7 @@ def run_grpo(cfg) -> dict[str, float]:
     """The GRPO loop (RECIPE 3); returns the last step's metrics."""
     from megatron_search.distributed import init_distributed
 
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(cfg, stage="grpo")                # config.stage_problems at the real world size
     run = GRPORun(cfg, ctx)
     try:
         run.push_weights()                                     # the initial policy to the engines

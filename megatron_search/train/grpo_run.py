@@ -63,9 +63,6 @@ class GRPORun:
         from megatron_search.trainer.core import Trainer
 
         self.cfg, self.ctx = cfg, ctx
-        if cfg.rollout.temperature == 0:
-            raise ValueError("rollout.temperature=0 samples greedily: the G rollouts of a group would be identical "
-                             "and carry no signal; GRPO needs a temperature > 0")
         self.out = Path(cfg.run.output_dir)
         self.is_driver = dist.get_rank() == 0
         # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is

@@ -34,13 +34,6 @@ TB_TAGS = {
 }
 
 
-def check_batch_layout(cfg, dp_size: int) -> None:
-    s = cfg.sft
-    if s.global_batch_size % (dp_size * s.micro_batch_size):
-        raise ValueError(f"sft.global_batch_size={s.global_batch_size} must be a multiple of data-parallel size "
-                         f"{dp_size} x sft.micro_batch_size={s.micro_batch_size}")
-
-
 def build_batcher(cfg):
     from .sft_data import SFTBatcher, chat_format_for, load_sft_datasets, tokenizer_for
 
@@ -102,11 +95,10 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
 
     from megatron_search.trainer.core import Trainer
 
-    ctx = init_distributed(cfg, env=env)
+    ctx = init_distributed(cfg, env=env, stage="sft")  # batch sizes against the real data-parallel size
     stop = StopRequest()
     writer = None
     try:
-        check_batch_layout(cfg, ctx.dp_size)
         batcher = build_batcher(cfg)
         trainer = Trainer(cfg, ctx, total_steps=cfg.sft.steps)
         extra = trainer.resume()

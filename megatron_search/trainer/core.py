@@ -44,6 +44,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_search.config.loader import ConfigError
+from megatron_search.config.schema import training_problems
 from megatron_search.distributed import collectives as coll
 from megatron_search.trainer.step import (
     Batch,
@@ -72,11 +74,9 @@ class Trainer:
 
         if total_steps < 1:
             raise ValueError(f"Trainer: total_steps must be >= 1, got {total_steps}")
-        if cfg.parallel.cp > 1:
-            # Megatron-Core leaves the split to the caller (each CP rank feeds its chunks of the sequence);
-            # the training step feeds whole sequences, which would be wrong, not just slow.
-            raise ValueError(f"parallel.cp={cfg.parallel.cp}: context parallelism is not wired into training yet "
-                             "(batches are not split along the sequence over the CP ranks); use parallel.cp=1")
+        problems = training_problems(cfg)  # also checked when the config is loaded for a stage
+        if problems:
+            raise ConfigError(problems, "Trainer")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
         self.model = build_model_chunks(cfg, ctx.groups)
         if not train_mtp:
