@@ -105,7 +105,7 @@ def fused_group_advantages(
         toff = _check_offsets(token_offsets, "token_offsets", int(token_offsets[-1]), rewards.device)
     rewards = rewards.contiguous()
     if resolve_backend(backend, rewards.device) == "triton":
-        from .group_advantage_triton import group_advantages_triton
+        from .group_advantage_triton import group_advantages_triton  # optional: triton (the GPU backend)
 
         return group_advantages_triton(rewards, goff, toff, std_normalize, eps, unbiased)
     return group_advantages_torch(rewards, goff, toff, std_normalize, eps, unbiased)

@@ -13,6 +13,7 @@ from .softmax_stats import finalize_torch
 def primitives(backend: str, device: torch.device) -> SimpleNamespace:
     """online_stats / write_grad / finalize for the resolved backend (Triton imported only when used)."""
     if resolve_backend(backend, device) == "triton":
+        # optional: triton (the GPU backend; a dev/gpu extra)
         from .logprob_triton import finalize_triton, online_stats_triton, write_grad_triton
 
         return SimpleNamespace(

@@ -26,12 +26,13 @@ from dataclasses import asdict
 from typing import Optional
 
 from megatron_search.config.demo import STRATEGIES
+from megatron_search.search.local import LocalSearchBackend
 from megatron_search.search.tool import SearchTool, format_results
 
 from .records import QARecord
 from .sft import SYSTEM_PROMPT, SFTExample, _call
-from .world import PHRASINGS, World
-from .world_schema import ENTITY_TYPES, RELATION_BY_NAME
+from .world import PHRASINGS, World, _Names, build_world
+from .world_schema import ENTITY_TYPES, RELATION_BY_NAME, RELATIONS
 
 
 # Words of the world's sentences: the filler around a copy drill's name (layout "varied").
@@ -173,8 +174,6 @@ class _FreshNames:
     take seconds (world._Names compares every new name with all earlier ones)."""
 
     def __init__(self, world: World, rng):
-        from .world import _Names
-
         self._names = _Names(rng)
         lows = sorted({e.name.lower() for e in world.entities.values()}, key=len, reverse=True)
         self._blob = "\x00".join(lows)  # candidate inside a world name
@@ -231,8 +230,6 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
     answer "name" gives the bare name, "sentence" the fact restated (fact_sentence). phrasing "any"
     states each fact with any of its relation's templates (as the world's documents do), "first"
     with the subject-first one only, which the sentence answer repeats word for word."""
-    from .world_schema import RELATIONS
-
     if answer not in DRILL_ANSWERS or phrasing not in PHRASINGS:
         raise ValueError(f"reading_drills: answer must be one of {DRILL_ANSWERS} and phrasing one of "
                          f"{PHRASINGS}, got {answer!r}, {phrasing!r}")
@@ -263,10 +260,6 @@ def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_
     the demo world (even inside a longer word) is dropped, so no demo fact, held out or not, is
     taught; returns the examples and how many were dropped that way. `strategies`: as
     one_hop_sft_examples, each world guessing among its own names."""
-    from megatron_search.search.local import LocalSearchBackend
-
-    from .world import build_world
-
     names = sorted({e.name for e in demo_world.entities.values()}, key=len, reverse=True)
     clash = re.compile("|".join(map(re.escape, names)))  # inside a longer word too: the safe side
     out, clashes = [], 0

@@ -16,7 +16,7 @@ import ast
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -208,8 +208,6 @@ def match_scale(synthetic: list[QARecord], target: int, seed: int = 0) -> list[Q
 def format_augment(records: list[QARecord], instructions: dict[str, str], fraction: float, seed: int = 0) -> list[QARecord]:
     """RECIPE 4.1 augmented prompt format for public sets: each record, plus for a seeded `fraction` a
     copy with an explicit format instruction (`<id>-fmt`, same answers, same split)."""
-    from dataclasses import replace
-
     rng = random.Random(seed)
     keys = sorted(instructions)
     out = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional
 
+from .hf_datasets import iter_rows
 from .jsonl import DataError
 
 SPLITS = ("train", "validation", "test")
@@ -67,8 +68,6 @@ def read_records(path, split: Optional[str] = None, streaming: bool = False) -> 
 
 def read_records_where(path, split: Optional[str] = None, streaming: bool = False) -> Iterator[tuple[str, QARecord]]:
     """(where, record) pairs of read_records, where = "file:line" or "file (row N)" for later errors."""
-    from .hf_datasets import iter_rows
-
     for row in iter_rows(path, split, streaming):
         if row.error:
             raise DataError(f"{row.where}: {row.error}")

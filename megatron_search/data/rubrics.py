@@ -20,6 +20,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from .jsonl import DataError
 from .llm_client import LLMClient, LLMError, LLMOutputError
 from .prompts import load_lines, load_prompt
 from .rubric_checks import check_rubric
@@ -252,8 +253,6 @@ class RubricPipeline:
 
 def item_from_row(row: dict, where: str) -> RubricItem:
     """A chat row {id, messages[, rubrics]} (rubrics given as strings count as explicit requirements)."""
-    from .jsonl import DataError
-
     if not isinstance(row.get("messages"), list) or not row["messages"]:
         raise DataError(f"{where}: 'messages' must be a non-empty list")
     if row["messages"][-1].get("role") != "user":

@@ -21,7 +21,7 @@ from ..search.tool import SearchTool, format_results
 from .prompts import load_keyed
 from .records import QARecord
 from .synth.extract import Claim, extract_claims
-from .world import World
+from .world import World, _Names
 from .world_schema import ATTRIBUTE_BY_NAME, ENTITY_TYPES, RELATION_BY_NAME
 
 SYSTEM_PROMPT = ("You are a helpful search assistant. Use the search_web tool to find evidence before answering "
@@ -169,8 +169,6 @@ class SFTBuilder:
 
     def abstention_example(self, i: int) -> SFTExample:
         """A question about an entity that does not exist: a real search finds nothing about it."""
-        from .world import _Names  # fresh names never used by the world
-
         names = _Names(random.Random(10_000 + i))
         names.names = [e.name for e in self.world.entities.values()]
         names.words = {w for n in names.names for w in n.split()}

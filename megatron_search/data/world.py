@@ -13,6 +13,7 @@ uniqueness check of question generation, never by the solvers.
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections import defaultdict
@@ -101,8 +102,6 @@ class World:
 
     @classmethod
     def load(cls, out_dir: str | Path) -> "World":
-        import json
-
         out = Path(out_dir)
         meta = json.loads((out / "world.json").read_text(encoding="utf-8"))
         docs = [Document(**d) for d in read_jsonl(out / "corpus.jsonl")]

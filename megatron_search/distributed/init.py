@@ -19,8 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_search.config.schema import layout_problems, stage_problems
 from megatron_search.rollout.auth import EngineKeyError, job_key, use_key_env
 
+from .cpu_compat import define_missing_te_gemm, enable_cpu_compat
 from .env import DistEnv, read_dist_env
 
 
@@ -52,7 +54,7 @@ class DistContext:
 
     def teardown(self) -> None:
         """Destroy Megatron's groups and (if we created it) the default process group."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # start-up: megatron.core (3.7 s), kept off launch-plan
 
         ps.destroy_model_parallel()
         if self._owns_process_group and dist.is_initialized():
@@ -118,13 +120,10 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0,
                      stage: str | None = None) -> DistContext:
     """Initialise torch.distributed and Megatron model parallel for `cfg`; see module docstring. With `stage`
     (sft, rm, grpo) that job's config checks run too, at the real world size (config.stage_problems)."""
+    # start-up: megatron.core (3.7 s) deferred: launch-plan loads this package (via distributed.env) without it
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron_search.config.schema import layout_problems, stage_problems
-
-    from .cpu_compat import define_missing_te_gemm, enable_cpu_compat
 
     env = env or read_dist_env()
     problems = layout_problems(cfg, env.world_size) + stage_problems(cfg, stage, env.world_size)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
 
 def rank_in(group) -> int:
     """This rank's index in `group`; 0 for None (a group of one)."""
@@ -38,16 +41,12 @@ def chunk_stage_flags(groups, vp_stage: Optional[int], vpp: Optional[int]) -> tu
 def require_model_parallel(what: str) -> None:
     """Megatron's modules read its global parallel state while they are built: refuse to build before
     init_distributed set it up."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(f"{what}: model parallel state is not initialised; call init_distributed(cfg) first")
 
 
 def last_stage_rank(groups) -> int:
     """The global rank of the last pipeline stage in this rank's pipeline group."""
-    import torch.distributed as dist
-
     if groups.pp is None or groups.pp.size() == 1:
         return dist.get_rank() if dist.is_initialized() else 0
     return dist.get_process_group_ranks(groups.pp)[-1]

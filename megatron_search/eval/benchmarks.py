@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_search.data.hf_datasets import column_names, iter_rows, missing_path_error, splits
-from megatron_search.data.jsonl import DataError
+from megatron_search.data.jsonl import DataError, atomic_write_text
 from megatron_search.data.public import CONVERTERS, convert_file
 from megatron_search.data.records import QARecord, read_records_where
 
@@ -192,6 +192,4 @@ def load_benchmark(kind: str, path: str | Path, limit: int = 0, seed: int = 0, s
 
 def write_examples(path: str | Path, examples: list[EvalExample]) -> None:
     """Examples as JSONL (the set a run evaluated, kept beside its results)."""
-    from megatron_search.data.jsonl import atomic_write_text
-
     atomic_write_text(path, "".join(json.dumps(e.to_dict(), ensure_ascii=False) + "\n" for e in examples))

@@ -35,6 +35,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from megatron_search.data.llm_client import LLMClient
 from megatron_search.rewards.answer import exact_match, normalize_answer, substring_match, token_f1
 
 from .prompts import load_prompt
@@ -177,8 +178,6 @@ def build_grader(eval_cfg):
         return MatchGrader(eval_cfg.grader)
     if not eval_cfg.judge_base_url:
         raise ValueError("eval.grader=llm needs eval.judge_base_url (an OpenAI-compatible endpoint)")
-    from megatron_search.data.llm_client import LLMClient
-
     client = LLMClient(eval_cfg.judge_base_url, eval_cfg.judge_model, eval_cfg.judge_api_key_env,
                        cache_dir=eval_cfg.judge_cache_dir)
     return LLMJudgeGrader(client, eval_cfg.judge_max_tokens)

@@ -20,7 +20,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence
 
+from lingua import Language, LanguageDetectorBuilder
+
 from megatron_search.rewards.answer import normalize_answer
+from megatron_search.rm.sbs import sbs
 from megatron_search.search.tool import BROKEN_KINDS
 
 from .benchmarks import EvalExample
@@ -117,8 +120,6 @@ class LanguageID:
     """lingua over a fixed language list; `detect(text)` -> ISO 639-1 code or None when undetermined."""
 
     def __init__(self, languages: Sequence[str], min_chars: int = 20, min_confidence: float = 0.5):
-        from lingua import Language, LanguageDetectorBuilder
-
         try:
             langs = [getattr(Language, name.upper()) for name in languages]
         except AttributeError as e:
@@ -199,6 +200,4 @@ def sbs_rows(rows: Sequence[dict], candidate: str, baseline: str, variant: str =
 
 def sbs_metric(scorer, pairs: Sequence[dict]) -> dict:
     """rm/sbs.py's sbs (mean P_bar, win/tie/loss) of candidate vs baseline answers with a reward-model scorer."""
-    from megatron_search.rm.sbs import sbs
-
     return sbs(scorer, [p["context"] for p in pairs], [p["candidate"] for p in pairs], [p["baseline"] for p in pairs])

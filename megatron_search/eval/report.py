@@ -16,6 +16,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from torch.utils.tensorboard import SummaryWriter
+
 from megatron_search.data.jsonl import atomic_write_json, atomic_write_text
 
 from .cost import Price, cents_per_query
@@ -148,10 +150,11 @@ def reference_series(refs: Optional[References], bench: str, kind: str) -> list[
 def plot(curve: dict, out_dir: Path, references: Optional[References] = None) -> list[Path]:
     """accuracy_vs_budget.png always; accuracy_vs_cost.png when some model has a price. The write-up's points
     for the same benchmarks are drawn as hollow markers labelled "write-up: <model>"."""
+    # start-up: matplotlib (0.3-0.5 s) and its process-wide Agg backend switch, only when plots are drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up: pyplot, after the backend switch above
 
     benches = sorted({b for m in curve.values() for b in m})
     if not benches:
@@ -205,8 +208,6 @@ def _tb_name(model: str) -> str:
 
 
 def tensorboard(curve: dict, out_dir: Path) -> Path:
-    from torch.utils.tensorboard import SummaryWriter
-
     root = out_dir / "tb"
     for model, benches in curve.items():
         w = SummaryWriter(str(root / _tb_name(model)))

@@ -22,9 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from megatron_search.data.jsonl import atomic_write_json, write_jsonl
+from megatron_search.data.sft import SYSTEM_PROMPT
 from megatron_search.rollout.agent import AgentSettings, SearchAgent
+from megatron_search.rollout.auth import key_from_env
+from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.engine import Engine
+from megatron_search.rollout.sglang import SGLangClient
+from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
+from megatron_search.rollout.vllm import VLLMClient
+from megatron_search.search import build_backend
 from megatron_search.search.base import SearchBackend
+from megatron_search.search.local import LocalSearchBackend, read_corpus
 from megatron_search.search.tool import SearchTool
 
 from .benchmarks import EvalExample, load_benchmark, write_examples
@@ -54,12 +63,7 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
     if isinstance(spec, Engine):
         return spec, False
     if spec.startswith(("http://", "https://")):
-        from megatron_search.rollout.auth import key_from_env
-        from megatron_search.rollout.sglang import SGLangClient
-
         if cfg.rollout.engine == "vllm":  # engine URLs speak the API of rollout.engine
-            from megatron_search.rollout.vllm import VLLMClient
-
             return VLLMClient(spec, cfg.rollout.vllm.request_timeout_s,
                               api_key=key_from_env(cfg.rollout.api_key_env)), True
         return SGLangClient(spec, timeout_s=cfg.rollout.sglang.request_timeout_s,
@@ -67,7 +71,7 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"model {spec!r}: neither an engine URL (http://...) nor an HF checkpoint directory "
                          "(no config.json)")
-    from megatron_search.rollout.local import LocalEngine
+    from megatron_search.rollout.local import LocalEngine  # start-up: transformers (0.6 s), only for an HF dir model
 
     lc = cfg.rollout.local
     return LocalEngine(spec, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,
@@ -79,18 +83,12 @@ def _backend(cfg, index_dir: Optional[str], backend: Optional[SearchBackend]) ->
     if backend is not None:
         return backend
     if index_dir is not None:
-        from megatron_search.search.local import LocalSearchBackend
-
         return LocalSearchBackend.load(index_dir, cfg.search.snippet_chars)
-    from megatron_search.search import build_backend
-
     return build_backend(cfg.search)
 
 
 def _corpus_docs(cfg, index_dir: Optional[str], corpus: Optional[str]) -> list[dict]:
     """The documents the abstention set withholds from (a local index's docs.jsonl, or a corpus JSONL)."""
-    from megatron_search.search.local import read_corpus
-
     if corpus is not None:
         return list(read_corpus(corpus))
     idx = index_dir or cfg.search.index_dir
@@ -115,8 +113,6 @@ def check_manifest(out: Path, models: dict[str, ModelSpec], settings: dict) -> N
     <out>/run.json records each model name's spec and the settings that change results; a re-run
     (resume) must match them, so a reused name never silently adds up answers of two checkpoints.
     """
-    from megatron_search.data.jsonl import atomic_write_json
-
     path = out / "run.json"
     old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"models": {}, "settings": settings}
     problems = [f"setting {k}: {old['settings'].get(k)!r} on file, {v!r} now" for k, v in settings.items()
@@ -163,10 +159,6 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     compared with the baseline's; without a scorer the pairs are written to sbs_<model>_vs_<baseline>.jsonl for
     `megatron-search rm eval --sbs`. references: the write-up's reference-point file (None: none shown).
     """
-    from megatron_search.data.sft import SYSTEM_PROMPT
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
-
     ec = cfg.eval
     bad = sorted(set(variants) - set(VARIANTS))
     if bad:
@@ -192,8 +184,6 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
     tool = SearchTool(base_backend, ec.max_results, cfg.search.max_query_chars, ec.max_calls)
     withheld_tool = None
     if "abstention" in variants:
-        from megatron_search.search.local import LocalSearchBackend
-
         kept, removed = withhold_evidence(_corpus_docs(cfg, index_dir, corpus), examples)
         log.info("abstention: withheld %d evidence documents, %d left", len(removed), len(kept))
         withheld_tool = SearchTool(LocalSearchBackend.from_docs(kept, cfg.search.snippet_chars), ec.max_results,
@@ -277,8 +267,6 @@ def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants:
                 if sbs_scorer is not None:
                     d["sbs"] = {**sbs_metric(sbs_scorer, pairs), "baseline": sbs_baseline, "budget": sbs_budget}
                 else:
-                    from megatron_search.data.jsonl import write_jsonl
-
                     path = out / f"sbs_{m}_vs_{sbs_baseline}.jsonl"
                     write_jsonl(path, pairs)
                     d["sbs_pairs"] = str(path)

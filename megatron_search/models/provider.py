@@ -17,9 +17,14 @@ import importlib
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 
 from megatron_search.config.hf import load_hf_config
+from megatron_search.distributed import cpu_compat
+from megatron_search.distributed.stages import chunk_stage_flags, rank_in, require_model_parallel
 
+from .mtp import MTPGPTModel
 from .provider_common import ProviderError
 from .specs import use_transformer_engine
 
@@ -47,8 +52,6 @@ def architecture_module(cfg):
 
 def transformer_config_from_hf(cfg):
     """Megatron TransformerConfig for cfg.model (architecture from the HF config.json, layout from cfg.parallel)."""
-    from megatron.core.transformer import TransformerConfig
-
     module, raw, where = architecture_module(cfg)
     use_te = use_transformer_engine(cfg.model.transformer_impl)
     kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
@@ -61,11 +64,6 @@ def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool
                 vp_stage: int | None = None, config=None):
     """The GPTModel (chunk) this rank holds in `groups` (DistContext.groups); pre/post process follow its
     pipeline stage when None."""
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_search.distributed import cpu_compat
-    from megatron_search.distributed.stages import chunk_stage_flags, rank_in, require_model_parallel
-
     require_model_parallel("build_model")
     module, raw, where = architecture_module(cfg)
     hf = text_config(raw)
@@ -79,8 +77,6 @@ def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool
     spec = module.layer_spec(config, use_te, vp_stage, rank_in(groups.pp))
     model_cls = getattr(module, "model_class", None)
     if model_cls is None:
-        from .mtp import MTPGPTModel
-
         # With MTP layers: Megatron's behaviour with labels, main-head logits without (models/mtp.py).
         model_cls = MTPGPTModel if config.mtp_num_layers else GPTModel
     extra = {}

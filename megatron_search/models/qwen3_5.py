@@ -23,10 +23,33 @@ import dataclasses
 import logging
 from typing import Any
 
+import megatron.core
+import megatron.core.ssm.gated_delta_net as gdn
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    get_mtp_num_layers_to_build,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_search.distributed.cpu_compat import rebind_new_modules
+
+from . import gdn_torch
+from .norm import RMSNorm
 from .provider_common import ProviderError, base_config_kwargs, rope_theta
+from .specs import local_spec_fixups
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +89,6 @@ GDN_CONTEXT_PARALLEL_SINCE = (0, 18)
 
 
 def _megatron_version() -> tuple[int, int]:
-    import megatron.core
-
     major, minor = megatron.core.__version__.split(".")[:2]
     return int(major), int(minor)
 
@@ -143,10 +164,6 @@ def route_gdn_kernels() -> str:
     layer calls (`chunk_gated_delta_rule`, `l2norm`) are bound to `gdn_torch`, and the
     constructor's HAVE_FLA guard is satisfied because those names now exist. Idempotent.
     """
-    import megatron.core.ssm.gated_delta_net as gdn
-
-    from . import gdn_torch
-
     if getattr(gdn, "_megatron_search_torch_gdn", False):
         return "torch"
     if gdn.HAVE_FLA and torch.cuda.is_available():
@@ -157,23 +174,13 @@ def route_gdn_kernels() -> str:
     gdn.l2norm = gdn_torch.l2norm
     gdn.HAVE_FLA = True
     gdn._megatron_search_torch_gdn = True
-    try:  # the layer allocates with torch.cuda.current_device(): let the CPU shim see this module
-        from megatron_search.distributed.cpu_compat import rebind_new_modules
-
-        rebind_new_modules()
-    except ImportError:
-        pass
+    rebind_new_modules()  # the layer allocates with torch.cuda.current_device(): let the CPU shim see this module
     return "torch"
 
 
 def _gdn_attention_spec(use_te: bool):
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from .norm import RMSNorm
-
     if use_te:
+        # optional: transformer_engine (GPU extra; the TE specs of model.transformer_impl=transformer_engine)
         from megatron.core.extensions.transformer_engine import (
             TELayerNormColumnParallelLinear,
             TENorm,
@@ -188,14 +195,6 @@ def _gdn_attention_spec(use_te: bool):
 
 
 def _attention_layer_spec(config, use_te: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    from .norm import RMSNorm
-    from .specs import local_spec_fixups
-
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=True
@@ -209,8 +208,6 @@ def _attention_layer_spec(config, use_te: bool):
 
 def layer_specs(config, use_te: bool) -> list:
     """One TransformerLayer spec per global layer: GDN or gated attention, MoE MLP everywhere."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
     attn_layer = _attention_layer_spec(config, use_te)
     subs = attn_layer.submodules
     gdn_layer = dataclasses.replace(
@@ -228,17 +225,13 @@ def layer_specs(config, use_te: bool) -> list:
 
 def layer_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int | None):
     """TransformerBlockSubmodules for this pipeline stage (TE when `use_te`, else local specs)."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from .norm import RMSNorm
-
     if config.experimental_attention_variant == "gated_delta_net":
         route_gdn_kernels()
     specs = layer_specs(config, use_te)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if use_te:
+        # optional: transformer_engine (GPU extra; the TE final norm of model.transformer_impl=transformer_engine)
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = RMSNorm
@@ -289,20 +282,10 @@ def mtp_block_spec(config, use_te: bool, vp_stage: int | None):
     """
     if not config.mtp_num_layers:
         return None
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules,
-        MultiTokenPredictionLayer,
-        MultiTokenPredictionLayerSubmodules,
-        get_mtp_num_layers_to_build,
-    )
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from .norm import RMSNorm
-
     if get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
         return None
     if use_te:
+        # optional: transformer_engine (GPU extra; the TE specs of model.transformer_impl=transformer_engine)
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as eh_proj
         from megatron.core.extensions.transformer_engine import TENorm as norm
     else:

@@ -9,8 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+from .norm import RMSNorm
 from .provider_common import ProviderError, base_config_kwargs, rope_theta
+from .specs import block_from_layer_spec, local_spec_fixups
 
 
 def transformer_config_kwargs(cfg, hf: dict[str, Any], where: str, use_te: bool) -> dict[str, Any]:
@@ -63,11 +66,6 @@ def gpt_model_kwargs(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 def layer_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int | None):
     """Block spec for this pipeline stage (TE when `use_te`, else local with our SP-capable RMSNorm)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-
-    from .norm import RMSNorm
-    from .specs import block_from_layer_spec, local_spec_fixups
-
     if use_te:
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank

@@ -15,6 +15,9 @@ import re
 from typing import Callable, Mapping
 
 import torch
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_search.distributed.stages import rank_in, size_of
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)\.")
@@ -60,10 +63,6 @@ def shard_full_state(model: torch.nn.Module, full: Mapping[str, torch.Tensor], c
                      vp_stage: int | None = None, tp_slice: Callable | None = None) -> dict[str, torch.Tensor]:
     """This rank's shard (its place in `groups`: tp, ep, expt_tp) of every tensor in `full`, keyed by `model`'s
     local parameter names."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megatron_search.distributed.stages import rank_in, size_of
-
     layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_experts = config.num_moe_experts or 0
     ep_size, ep_rank = size_of(groups.ep), rank_in(groups.ep)

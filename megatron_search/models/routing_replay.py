@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_search.models.wrappers import unwrap
 
@@ -99,8 +100,6 @@ class RoutingReplay:
     def set_targets(self, experts_BSLK: torch.Tensor, *, backward: bool = True) -> None:
         """Replay these experts in the next forward; with `backward` (a forward whose backward follows)
         also queue them for the recomputation of that forward inside backward."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         if experts_BSLK.dim() != 4 or experts_BSLK.shape[2] != len(self.column):
             raise ValueError(f"routing replay: experts must be [B, S, {len(self.column)}, K], got "
                              f"{list(experts_BSLK.shape)}")
@@ -117,8 +116,6 @@ class RoutingReplay:
     def forward_done(self) -> None:
         """The forward returned: a router that runs again before the next set_targets is recomputing
         inside backward, and replays the oldest queued targets."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         for layer, router in self.routers:
             if layer in self.recomputed:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)

@@ -12,8 +12,13 @@ import importlib.util
 from typing import Any
 
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from .norm import RMSNorm
+from .sdpa_attention import SDPADotProductAttention
 
 
 def te_available() -> bool:
@@ -36,15 +41,11 @@ def use_transformer_engine(transformer_impl: str) -> bool:
 
 
 def _fallback_norm_classes() -> tuple[type, ...]:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
     return (WrappedTorchNorm,)
 
 
 def _replace_modules(spec: Any, swap) -> Any:
     """Copy of a ModuleSpec / submodules tree with each module class `cls` replaced by `swap(cls)`."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     if isinstance(spec, type):
         return swap(spec)
     if isinstance(spec, ModuleSpec):
@@ -66,10 +67,6 @@ def replace_norms(spec: Any, norm_cls: type = RMSNorm) -> Any:
 
 def use_sdpa_attention(spec: Any) -> Any:
     """Copy of a local spec tree whose core attention runs through torch SDPA (models/sdpa_attention.py)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from .sdpa_attention import SDPADotProductAttention
-
     return _replace_modules(spec, lambda cls: SDPADotProductAttention if cls is DotProductAttention else cls)
 
 
@@ -80,7 +77,5 @@ def local_spec_fixups(spec: Any, norm_cls: type = RMSNorm) -> Any:
 
 def block_from_layer_spec(layer_spec: Any, config, vp_stage: int | None, pp_rank: int | None, norm_cls: type):
     """TransformerBlockSubmodules for this pipeline stage: its layers plus the final norm."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=norm_cls)

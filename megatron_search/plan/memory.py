@@ -254,6 +254,7 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
                                         f"pipeline stage {st.stage}, more than the {usable / GIB:.1f} GiB usable")
             plan.phases = [PhaseMemory(f"{name} (stage {s})", ph.parts) for name, (s, ph) in worst.items()]
         if not any(x.startswith(("parallel.", "rollout.weight_bucket_mb")) for x in problems):
+            # start-up: numpy + weights/send_plan.py (+0.11 s on plan), only for a grpo plan's weight-sync report
             from .weight_sync import weight_sync_report
 
             plan.sync = weight_sync_report(cfg, train_gpus)

@@ -27,7 +27,7 @@ def format_plan(plan: Plan, title: str) -> str:
             f"{p.phase} {p.total / GIB:.1f} (" + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.parts.items()) + ")"
             for p in plan.phases))
     if plan.sync is not None:
-        from .weight_sync import format_sync_report
+        from .weight_sync import format_sync_report  # start-up: as in memory.py, only with a sync report
 
         lines.append(format_sync_report(plan.sync))
     if plan.fits:

@@ -30,7 +30,8 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The loss registered under `name`; KeyError listing the known names otherwise."""
-    from . import losses  # noqa: F401  (registers the built-in losses)
+    # start-up: import cycle (losses.py imports this module); importing it registers the built-in losses
+    from . import losses  # noqa: F401
 
     try:
         return _POLICY_LOSSES[name]
@@ -39,7 +40,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 
 def policy_loss_names() -> list[str]:
-    from . import losses  # noqa: F401
+    from . import losses  # start-up: import cycle (losses.py imports this module)  # noqa: F401
 
     return sorted(_POLICY_LOSSES)
 

@@ -1,14 +1,17 @@
 """Wiring from the config: the text encoder, a loaded reward model's scorer, the GRPO service."""
 from __future__ import annotations
 
+from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.tokenizer import load_tokenizer
+
+from .model import build_reward_model_chunks
 from .scorer import PairEncoder, RMScorer
+from .service import PreferenceService
+from .train import load_rm_weights, rm_checkpoint
 
 
 def load_encoder(cfg) -> tuple[PairEncoder, int]:
     """(PairEncoder, pad id) from model.tokenizer / model.chat_style / reward.scorer / rm.max_length."""
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import load_tokenizer
-
     tok = load_tokenizer(cfg.model.tokenizer)
     vocab = cfg.model.architecture.vocab_size
     if tok.vocab_size > vocab:
@@ -20,9 +23,6 @@ def load_encoder(cfg) -> tuple[PairEncoder, int]:
 def build_scorer(cfg, groups, chunks: list | None = None) -> RMScorer:
     """An RMScorer on `chunks`, or on RM chunks built in `groups` and loaded from rm.load (model parallel state
     must exist)."""
-    from .model import build_reward_model_chunks
-    from .train import load_rm_weights, rm_checkpoint
-
     if chunks is None:
         if not cfg.rm.load:
             raise ValueError("rm.load: no trained reward model given (set rm.load=<RM checkpoint>)")
@@ -36,6 +36,4 @@ def build_scorer(cfg, groups, chunks: list | None = None) -> RMScorer:
 
 def preference_service(cfg, groups, chunks: list | None = None):
     """The GRPO loop's PreferenceService (rewards/preference.PreferenceScorer) for cfg."""
-    from .service import PreferenceService
-
     return PreferenceService(build_scorer(cfg, groups, chunks))

@@ -24,6 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
+from megatron_search.data.hf_datasets import iter_rows
+from megatron_search.data.jsonl import write_jsonl
+
 OnBad = Literal["error", "skip"]
 
 
@@ -117,8 +120,6 @@ def _reason(err: PreferenceDataError) -> str:
 
 def _records(path: str | Path, split: Optional[str], streaming: bool, stats: ReadStats) -> Iterator[tuple[str, Any]]:
     """(where, record or PreferenceDataError) for every row; counts rows read."""
-    from megatron_search.data.hf_datasets import iter_rows
-
     for row in iter_rows(path, split, streaming):
         stats.read += 1
         yield row.where, (PreferenceDataError(f"{row.where}: {row.error}") if row.error else row.data)
@@ -144,8 +145,6 @@ def read_pairs(path: str | Path, on_bad: OnBad = "error", stats: Optional[ReadSt
 
 def write_pairs(path: str | Path, pairs: Iterable[PreferencePair]) -> int:
     """Write pairs as JSONL atomically (temp file + rename); returns the count."""
-    from megatron_search.data.jsonl import write_jsonl
-
     return write_jsonl(Path(path), (p.to_json() for p in pairs))
 
 

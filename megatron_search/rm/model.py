@@ -19,9 +19,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import Tensor
+
+from megatron_search.models.provider import build_model_chunks
+from megatron_search.trainer.checkpoint import MODEL_OPTIM, read_trainer_meta
+from megatron_search.trainer.init_weights import resolve_checkpoint
+from megatron_search.trainer.sharded_state import load_model
+from megatron_search.weights.hf_source import HFTensorSource
+from megatron_search.weights.load import load_hf_into_model
 
 VALUE_HEAD_PREFIX = "value_head."
 
@@ -36,8 +44,6 @@ class _HiddenPassthrough(torch.nn.Module):
 
     def forward(self, hidden: Tensor, weight=None, runtime_gather_output=None):  # noqa: ARG002 - output_layer API
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=self.tp_group)
         return hidden, None
@@ -116,8 +122,6 @@ class RewardModel(MegatronModule):
 
 def build_reward_model_chunks(cfg, groups) -> list:
     """One RewardModel per virtual pipeline stage of this rank in `groups` (model parallel state must exist)."""
-    from megatron_search.models.provider import build_model_chunks
-
     return [RewardModel(chunk) for chunk in build_model_chunks(cfg, groups)]
 
 
@@ -157,18 +161,11 @@ def init_from_policy(chunks: list, cfg, path: str | Path, groups) -> str:
     if not path.exists():
         raise FileNotFoundError(f"rm.init_from: {path} does not exist")
     if _is_megatron_checkpoint(path):
-        from megatron_search.trainer.checkpoint import MODEL_OPTIM, read_trainer_meta
-        from megatron_search.trainer.init_weights import resolve_checkpoint
-        from megatron_search.trainer.sharded_state import load_model
-
         ckpt = resolve_checkpoint(path)
         read_trainer_meta(ckpt)
         load_model([_BackboneView(c) for c in chunks], ckpt / MODEL_OPTIM)
         return f"Megatron checkpoint {ckpt}"
     if any(path.glob("*.safetensors")):
-        from megatron_search.weights.hf_source import HFTensorSource
-        from megatron_search.weights.load import load_hf_into_model
-
         # strict=False: the HF lm_head is the one tensor the reward model does not use.
         load_hf_into_model([c.backbone for c in chunks], cfg.model.architecture, HFTensorSource.from_dir(path), groups,
                            strict=False)

@@ -24,8 +24,11 @@ import torch
 from torch import Tensor
 
 from megatron_search.distributed import collectives as coll
-from megatron_search.trainer.step import Batch
+from megatron_search.distributed.stages import is_last_stage, last_stage_rank, size_of
+from megatron_search.trainer.step import Batch, forward_backward
 from megatron_search.rewards.bradley_terry import ScorerKind, debiased_delta, preference_probability, scorer_deltas
+
+from .model import values_at
 
 PAIR_TEMPLATE = "[Answer 1]\n{first}\n\n[Answer 2]\n{second}"
 
@@ -107,11 +110,6 @@ def forward_values(chunks: list, batch: RMBatch, micro_batch_rows: int, groups) 
     Runs Megatron's schedule (so PP works), gathers the last stage's values and broadcasts them
     over the pipeline group of `groups`. Rows are padded with copies of the last row to whole microbatches.
     """
-    from megatron_search.distributed.stages import is_last_stage, last_stage_rank, size_of
-    from megatron_search.trainer.step import forward_backward
-
-    from .model import values_at
-
     n = batch.tokens.shape[0]
     mbs = max(2, micro_batch_rows - micro_batch_rows % 2)
     pad = (-n) % mbs

@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -24,7 +25,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_search.data.jsonl import write_jsonl
 from megatron_search.rewards.preference import ReferenceAnswer
+from megatron_search.rollout.agent import AgentTask
 
 # (prompts, sample indices) -> one reference answer per pair; sample k is seeded apart from the others.
 ReferenceGenerator = Callable[[list[list[dict]], list[int]], list[ReferenceAnswer]]
@@ -85,8 +88,6 @@ class ReferenceCache:
         return len(self._entries)
 
     def _save(self) -> None:
-        from megatron_search.data.jsonl import write_jsonl
-
         write_jsonl(self.path, ({"key": k, "sample": i, "answer": v.answer, "generated_tokens": v.generated_tokens}
                                 for (k, i), v in self._entries.items()))
 
@@ -126,10 +127,6 @@ def agent_reference_generator(agent, seed: Optional[int] = None, progress: bool 
 
     A rollout without a final answer (length stop) gives the empty answer, as in train/scoring.py.
     """
-    import asyncio
-
-    from megatron_search.rollout.agent import AgentTask
-
     def generate(prompts: list[list[dict]], samples: list[int]) -> list[ReferenceAnswer]:
         tasks = [AgentTask(messages=list(p), seed=reference_seed(seed, k)) for p, k in zip(prompts, samples)]
         rollouts = asyncio.run(agent.run_many(tasks, progress=progress, desc="reference rollouts"))

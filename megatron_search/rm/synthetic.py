@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+from megatron_search.data.world import build_world
+
 from .data import PreferencePair
 
 _QUESTION = ["What is the {rel} of {s}?", "Tell me the {rel} of {s}.", "Do you know the {rel} of {s}?",
@@ -25,8 +27,6 @@ def _phrase(relation: str) -> str:
 
 def synthetic_pairs(n: int, seed: int = 0, world=None, source: str = "synthetic:cite-rule") -> list[PreferencePair]:
     """`n` pairs where the answer citing its source is preferred (label says which one cites)."""
-    from megatron_search.data.world import build_world
-
     if n < 1:
         raise ValueError(f"synthetic_pairs: n must be >= 1, got {n}")
     world = world if world is not None else build_world(seed=seed, num_entities=60, filler_docs=0)

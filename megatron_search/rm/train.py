@@ -17,13 +17,18 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm import tqdm
 
 from megatron_search.distributed import collectives as coll
 
 from megatron_search.rewards.bradley_terry import debiased_delta, symmetric_bt_loss
+from megatron_search.trainer.checkpoint import MODEL_OPTIM, read_trainer_meta
 from megatron_search.trainer.core import Trainer, checkpoint_root
+from megatron_search.trainer.init_weights import resolve_checkpoint
 from megatron_search.trainer.metrics import MetricsWriter, format_line
+from megatron_search.trainer.sharded_state import load_model
 from megatron_search.trainer.signals import StopRequest
+from megatron_search.trainer.step import make_optimizer, wrap_ddp
 
 from .data import PreferencePair
 from .model import build_reward_model_chunks, init_from_policy, values_at
@@ -35,8 +40,6 @@ class RMTrainer(Trainer):
     """The trainer core (DDP, optimizer, LR schedule, checkpoints) around reward-model chunks."""
 
     def __init__(self, cfg, ctx, total_steps: Optional[int] = None):
-        from megatron_search.trainer.step import make_optimizer, wrap_ddp
-
         total_steps = total_steps or cfg.rm.steps
         if total_steps < 1:
             raise ValueError(f"RMTrainer: total_steps must be >= 1, got {total_steps}")
@@ -57,9 +60,6 @@ def rm_checkpoint(path: str | Path, kind: Optional[str] = None) -> tuple[Path, d
 
     `kind`: the scorer kind the caller will use; a checkpoint trained as the other kind is an error
     (a pointwise head read as a pairwise Delta, or vice versa, gives meaningless scores)."""
-    from megatron_search.trainer.checkpoint import read_trainer_meta
-    from megatron_search.trainer.init_weights import resolve_checkpoint
-
     try:
         ckpt = resolve_checkpoint(path)
     except FileNotFoundError:
@@ -74,9 +74,6 @@ def rm_checkpoint(path: str | Path, kind: Optional[str] = None) -> tuple[Path, d
 
 def load_rm_weights(chunks: list, path: str | Path, kind: Optional[str] = None) -> Path:
     """Load a trained RM checkpoint's model weights (not the optimizer) into `chunks`; returns the step dir."""
-    from megatron_search.trainer.checkpoint import MODEL_OPTIM
-    from megatron_search.trainer.sharded_state import load_model
-
     ckpt, meta = rm_checkpoint(path, kind)
     if meta["num_chunks"] != len(chunks):
         raise ValueError(f"rm.load: {ckpt} has {meta['num_chunks']} model chunk(s), this layout builds {len(chunks)}")
@@ -128,8 +125,6 @@ def _global_sums(parts: list, groups) -> torch.Tensor:
 def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pairs: Sequence[PreferencePair],
              encoder: PairEncoder, pad_id: int, progress: bool = True, log=print) -> dict:
     """Run (or resume) RM training to trainer.total_steps; returns the final metrics."""
-    from tqdm import tqdm
-
     cfg, rm = trainer.cfg, trainer.cfg.rm
     if not train_pairs:
         raise ValueError("rm train: no training pairs")

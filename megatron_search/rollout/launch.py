@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megatron_search.config import dump_config
+
 from .auth import job_key, key_from_env, use_key_env
 from .sglang import SGLangClient, ServerProcess, launch_local_server, launch_router, launch_sglang_servers
 
@@ -64,7 +66,7 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     timeout = r.sglang.request_timeout_s
     use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
     if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm.py)
-        from .vllm import start_vllm_engines
+        from .vllm import start_vllm_engines  # start-up: import cycle (vllm.py imports RolloutEngines from here)
 
         return start_vllm_engines(cfg, output_dir, moe_shape)
     if r.engine_urls:
@@ -75,8 +77,6 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if r.engine == "local":
-        from megatron_search.config import dump_config
-
         config_path = out / "rollout_engine_config.yaml"
         tmp = config_path.with_suffix(".tmp")
         tmp.write_text(dump_config(cfg))

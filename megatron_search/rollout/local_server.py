@@ -26,13 +26,18 @@ import sys
 import uuid
 from typing import Any, Callable, Optional
 
+import torch
 from aiohttp import web
 
+from megatron_search.config import ConfigError, load_config
+
 from .auth import EngineKeyError, key_from_env, request_allowed
+from .chat_endpoint import ChatEndpoint
 from .engine import EngineError, encode_routed_experts
 from .http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
 from .local import LocalEngine
-from .local_weights import LOCAL_TENSOR_FORMAT, WeightUpdateError, deserialize_named_tensors
+from .local_vllm import add_vllm_routes, require_vllm_key
+from .local_weights import LOCAL_TENSOR_FORMAT, WeightUpdateError, check_dtypes, deserialize_named_tensors
 from .sglang import LOCAL_ENGINE_NAME
 from .types import GenerateRequest, SamplingParams
 
@@ -127,8 +132,6 @@ def parse_announced_tensors(body: dict, sizes: tuple[int, int], where: str) -> t
     equal lengths, known dtypes, shapes of non-negative ints, no tensor larger than the served model's largest
     parameter and no more than twice its elements in all (HF tensors map onto parameters or slices of them;
     the margin covers tensors the engine skips, like mtp.*)."""
-    from .local_weights import check_dtypes
-
     names = list_field(body, "names", str, where=where)
     dtypes = list_field(body, "dtypes", str, where=where)
     shapes = list_field(body, "shapes", list, where=where)
@@ -364,7 +367,7 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
         raise ValueError(f"api must be 'sglang' or 'vllm', got {api!r}")
     guard = require_api_key
     if api == "vllm":
-        from .local_vllm import require_vllm_key as guard
+        guard = require_vllm_key
     app = web.Application(client_max_size=max(limits.values()), middlewares=[guard] if api_key else [])
     app[ENGINE_KEY] = engine
     app[BODY_LIMITS] = limits
@@ -373,8 +376,6 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
     params = [p.numel() for p in engine.runner.model.parameters()]  # at start: shapes never change, storage may be released later
     app[SIZES_KEY] = (max(params, default=0), sum(params))
     if api == "vllm":
-        from .local_vllm import add_vllm_routes
-
         add_vllm_routes(app, engine, api_key, routed_experts)
         post, get = {}, {"/local/weights_sha256": weights_sha256, "/local/memory": memory}
     else:
@@ -440,8 +441,6 @@ async def serve(engine: LocalEngine, host: str, port: int, chat=None, port_file:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_search.config import ConfigError, load_config
-
     p = argparse.ArgumentParser(description="Local engine (CPU or one CUDA device) with SGLang's HTTP API")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: the tiny CPU model)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
@@ -478,8 +477,6 @@ def main(argv: Optional[list[str]] = None) -> int:
              else f"none (${key_env} unset): every route is open")
     device = args.device or cfg.rollout.local.device
     if device.startswith("cuda"):
-        import torch
-
         if not torch.cuda.is_available():
             print(f"error: device {device} (--device / rollout.local.device): no CUDA device is visible",
                   file=sys.stderr)
@@ -488,8 +485,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     api = args.api or ("vllm" if cfg.rollout.engine == "vllm" else "sglang")
     engine = LocalEngine.from_config(cfg, device=device)
-    from .chat_endpoint import ChatEndpoint
-
     chat = ChatEndpoint.from_config(cfg, args.tokenizer)
     host = args.host or cfg.rollout.local.host
     port = cfg.rollout.local.port if args.port is None else args.port

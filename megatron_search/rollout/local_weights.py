@@ -11,12 +11,16 @@ parameter's dtype): no converted or cloned temporaries.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load, save
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 SKIPPED_PREFIXES = ("mtp.",)
@@ -95,8 +99,6 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
 
 def weights_sha256(model: torch.nn.Module) -> dict[str, str]:
     """sha256 of every parameter's bytes by name: lets a test check that an engine holds exactly the trainer's weights."""
-    import hashlib
-
     out = {}
     for name, p in model.named_parameters():
         t = p.detach().contiguous().cpu()
@@ -144,10 +146,6 @@ LOCAL_TENSOR_FORMAT = "safetensors_base64"
 
 def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """base64(safetensors) of the named tensors, the local server's `serialized_named_tensors` item."""
-    import base64
-
-    from safetensors.torch import save
-
     tensors = {}
     for name, t in named:
         if name in tensors:
@@ -158,11 +156,6 @@ def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of `serialize_named_tensors`; a clear error for anything else."""
-    import base64
-    import binascii
-
-    from safetensors.torch import load
-
     try:
         raw = base64.b64decode(data.encode("ascii"), validate=True)
         return list(load(raw).items())

@@ -200,7 +200,8 @@ class SGLangClient(Engine):
     def _serialize(self, named_tensors) -> list[str]:
         if self.tensor_format == LOCAL_TENSOR_FORMAT:
             return [serialize_named_tensors(named_tensors)]
-        from sglang.srt.utils import MultiprocessingSerializer  # only on GPU hosts with SGLang installed
+        # optional: sglang (installed only on GPU hosts; SGLang's own tensor payload)
+        from sglang.srt.utils import MultiprocessingSerializer
 
         # One payload per TP rank, each serialized on its own as SGLang's HTTP client does: a payload of
         # host tensors (shared-memory handles) opens once only, so ranks cannot share one.

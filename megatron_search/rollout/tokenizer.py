@@ -133,7 +133,7 @@ class QwenTokenizer(ChatTokenizer):
     """The real Qwen2/Qwen3 tokenizer (vocab 151,669 ids; model embeddings are padded to 151,936)."""
 
     def __init__(self, ranks_path: Optional[str | os.PathLike] = None):
-        import tiktoken
+        import tiktoken  # start-up: tiktoken (~12 ms), kept off every CLI command's start
 
         self.ranks = load_qwen_ranks(ranks_path)
         self.added = {tok: i for i, tok, _ in QWEN_ADDED_TOKENS}
@@ -166,6 +166,7 @@ class QwenTokenizer(ChatTokenizer):
         Building takes ~8 s on one CPU core; with `cache` (a tokenizer.json path) it is built
         once, written atomically, and loaded from there afterwards (~2 s).
         """
+        # start-up: transformers (0.6 s) and tokenizers, kept off every CLI command's start
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
@@ -179,6 +180,7 @@ class QwenTokenizer(ChatTokenizer):
                                        bos_token=None, unk_token=None, clean_up_tokenization_spaces=False)
 
     def _build_hf_tokenizer(self):
+        # start-up: tokenizers (~10 ms), kept off every CLI command's start (all import this module)
         from tokenizers import AddedToken, Tokenizer, decoders, normalizers
         from tokenizers.models import BPE
 
@@ -198,6 +200,7 @@ class QwenTokenizer(ChatTokenizer):
 
 
 def _qwen_pre_tokenizer(pattern: str = QWEN_PATTERN):
+    # start-up: tokenizers (~10 ms), kept off every CLI command's start (all import this module)
     from tokenizers import Regex, pre_tokenizers
 
     return pre_tokenizers.Sequence([
@@ -273,6 +276,7 @@ class BPETokenizer(ChatTokenizer):
         """Train on `texts`; the vocabulary has at most `vocab_size` ids (fewer on a small corpus).
         `pretokenizer`: "words" (WORDS_PATTERN: spaces are their own tokens) or "qwen" (QWEN_PATTERN).
         The choice is saved in tokenizer.json."""
+        # start-up: tokenizers (~10 ms), kept off every CLI command's start (all import this module)
         from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, trainers
         from tokenizers.models import BPE
 
@@ -295,7 +299,7 @@ class BPETokenizer(ChatTokenizer):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "BPETokenizer":
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # start-up: tokenizers (~10 ms), kept off every CLI command's start
 
         path = Path(path)
         if path.is_dir():
@@ -337,7 +341,7 @@ class BPETokenizer(ChatTokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def to_hf(self):
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # start-up: transformers (0.6 s), off every CLI start
 
         return PreTrainedTokenizerFast(tokenizer_object=self._tok, eos_token=IM_END, pad_token="<|endoftext|>",
                                        clean_up_tokenization_spaces=False)

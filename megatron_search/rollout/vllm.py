@@ -30,23 +30,27 @@ private network in the Slurm plan. The key reaches vLLM as $VLLM_API_KEY, which 
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 from urllib.parse import urlencode
 
 import numpy as np
 
+from megatron_search.config import dump_config
 from megatron_search.config.rollout import VLLM_VERSION  # noqa: F401 (re-exported)
 
-from .auth import job_key
+from .auth import job_key, key_from_env
 from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode
-from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess
-from .types import FinishReason, GenerateRequest, GenerateResult
+from .launch import RolloutEngines
+from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess, launch_local_server
+from .types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 GENERATE_ROUTE = "/inference/v1/generate"
 VLLM_PAUSE_MODE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -257,8 +261,6 @@ class VLLMClient(SGLangClient):
     async def health_generate(self) -> None:
         """The heartbeat: vLLM has no /health_generate, so one greedy token through /inference/v1/generate (it
         answers once the scheduler has stepped it); raises EngineError otherwise."""
-        from .types import SamplingParams
-
         await self.generate(GenerateRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0),
                                             return_logprob=False))
 
@@ -407,16 +409,9 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
 def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]]):
     """rollout.engine=vllm for launch.start_engines: attach to rollout.engine_urls, or start `rollout.num_engines`
     vLLM servers (rollout.vllm.server=vllm) or local engine servers speaking vLLM's API (server=local)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from .launch import RolloutEngines
-    from .sglang import launch_local_server
-
     r = cfg.rollout
     timeout = r.vllm.request_timeout_s
     if r.engine_urls:
-        from .auth import key_from_env
-
         key = key_from_env(r.api_key_env)
         return RolloutEngines([VLLMClient(u, timeout, moe_shape, api_key=key) for u in r.engine_urls])
     key = job_key(r.api_key_env)
@@ -425,8 +420,6 @@ def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[t
     if r.vllm.server == "vllm":
         servers = launch_vllm_servers(cfg, out)
     else:
-        from megatron_search.config import dump_config
-
         config_path = out / "rollout_engine_config.yaml"
         tmp = config_path.with_suffix(".tmp")
         tmp.write_text(dump_config(cfg))
@@ -462,8 +455,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m megatron_search.rollout.vllm --api-key-env NAME [--gpus 0,1] -- <python args of vllm serve>`:
     exec vLLM with VLLM_API_KEY from $NAME (generated for the job when unset), VLLM_SERVER_DEV_MODE=1 and the GPUs,
     so the Slurm plan's command line carries no key (rollout/sglang_serve.py does the same for SGLang)."""
-    import argparse
-
     p = argparse.ArgumentParser(description="vLLM server with the job's API key from the environment")
     p.add_argument("--api-key-env", required=True, metavar="NAME")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for the server (comma-separated)")

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -28,8 +29,6 @@ def open_weight_group(
     group_name: str = "weight_update_group", backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) the weight-update group of `world_size` ranks; blocks until all have joined."""
-    from torch.distributed import distributed_c10d as c10d
-
     if not 0 <= rank < world_size:
         raise ValueError(f"weight update group: rank {rank} outside world size {world_size}")
     if not group_name:

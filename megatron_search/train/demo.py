@@ -26,9 +26,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron_search.config import load_config
 from megatron_search.config.demo import STRATEGIES
-from megatron_search.data.jsonl import read_jsonl
+from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
+                                             practice_trajectories, reading_drills)
+from megatron_search.data.jsonl import read_jsonl, write_jsonl
+from megatron_search.data.world import build_world
+from megatron_search.eval import BenchmarkSpec, evaluate
+from megatron_search.eval.metrics import broken_tool_calls, paired_accuracy_difference
 from megatron_search.eval.results import ResultStore
+from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.rollout.tokenizer import BPETokenizer
+from megatron_search.search.local import build_index
+from megatron_search.search.tool import SearchTool
 
 from .demo_report import FIGURES, pass_at_k, plot_curves, strategy_table
 
@@ -60,8 +72,6 @@ class Demo:
         self.overrides = overrides
         self.log = out / "demo.log"
         self.times: dict[str, float] = {}
-        from megatron_search.config import load_config
-
         self.curriculum = load_config(config, overrides).demo  # the `demo` section
 
     def paths(self) -> dict[str, Path]:
@@ -96,16 +106,6 @@ class Demo:
 
     # ------------------------------------------------------------------ stages
     def build_data(self) -> None:
-        from megatron_search.config import load_config
-        from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
-                                                     practice_trajectories, reading_drills)
-        from megatron_search.data.jsonl import write_jsonl
-        from megatron_search.data.world import build_world
-        from megatron_search.rollout.chat_format import ChatFormat
-        from megatron_search.rollout.tokenizer import BPETokenizer
-        from megatron_search.search.local import build_index
-        from megatron_search.search.tool import SearchTool
-
         p = self.paths()
         cfg = load_config(self.config, self.overrides)
         cur = cfg.demo
@@ -211,9 +211,6 @@ class Demo:
               f"optim.lr={self.curriculum.grpo_lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0"], self.log)
 
     def evaluate(self) -> None:
-        from megatron_search.config import load_config
-        from megatron_search.eval import BenchmarkSpec, evaluate
-
         p = self.paths()
         cfg = load_config(self.config, self.common())
         models = {"sft": str(p["grpo"] / "reference_weights"), "grpo": str(p["grpo"] / "final_weights")}
@@ -328,8 +325,6 @@ def _previous_stage_seconds(report: Path) -> dict:
 
 def _series(logdir: Path, tags) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value)]} of GRPO's TensorBoard scalars (tags it never logged are absent)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     ea = EventAccumulator(str(logdir))
     ea.Reload()
     have = set(ea.Tags()["scalars"])
@@ -338,8 +333,6 @@ def _series(logdir: Path, tags) -> dict[str, list[tuple[int, float]]]:
 
 def _heldout_episodes(results: Path) -> dict[str, list[dict]]:
     """{model: its held-out episodes (standard variant)} from the eval's results file."""
-    from megatron_search.eval.results import ResultStore
-
     store = ResultStore(results)
     return {m: list(store.rows(model=m, variant="standard", benchmark="heldout")) for m in ("sft", "grpo")}
 
@@ -348,8 +341,6 @@ def _model_rows(ev: dict, episodes: dict[str, list[dict]]) -> dict:
     """{model: {accuracy, tool_calls, effective_calls, broken_call_episodes}} on the held-out set (the eval
     report's standard variant; effective_calls is None in eval reports written before it was measured;
     broken_call_episodes: the fraction of episodes with a malformed or otherwise broken tool call)."""
-    from megatron_search.eval.metrics import broken_tool_calls
-
     out = {}
     for model, d in ev["deployment"].items():
         row = d["standard"]["heldout"]
@@ -361,6 +352,4 @@ def _model_rows(ev: dict, episodes: dict[str, list[dict]]) -> dict:
 
 def _paired_difference(episodes: dict[str, list[dict]]) -> dict:
     """GRPO's held-out accuracy minus SFT's, paired by question, with its standard error."""
-    from megatron_search.eval.metrics import paired_accuracy_difference
-
     return paired_accuracy_difference(episodes["grpo"], episodes["sft"])

@@ -54,10 +54,11 @@ def pass_at_k(rows: Sequence[dict]) -> dict:
 def plot_curves(series: dict[str, list[tuple[int, float]]], out_dir: Path) -> list[Path]:
     """One PNG per entry of FIGURES from {tag: [(step, value)]}; tags without points are left out of a figure,
     a figure without any is not drawn. Returns the files written."""
+    # start-up: matplotlib (0.3-0.5 s) and its process-wide Agg backend switch, only when curves are drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up: pyplot, after the backend switch above
 
     written = []
     for name, (title, tags) in FIGURES.items():

@@ -20,6 +20,8 @@ at all takes no optimizer step but still advances the step counter.
 """
 from __future__ import annotations
 
+from megatron_search.distributed import init_distributed
+
 from .grpo_run import GRPORun, training_temperature
 
 __all__ = ["GRPORun", "run_grpo", "training_temperature"]
@@ -27,8 +29,6 @@ __all__ = ["GRPORun", "run_grpo", "training_temperature"]
 
 def run_grpo(cfg) -> dict[str, float]:
     """The GRPO loop (RECIPE 3); returns the last step's metrics."""
-    from megatron_search.distributed import init_distributed
-
     ctx = init_distributed(cfg, stage="grpo")                # config.stage_problems at the real world size
     run = GRPORun(cfg, ctx)
     try:

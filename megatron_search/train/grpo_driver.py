@@ -39,7 +39,9 @@ from tqdm import tqdm
 from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.mix import MixItem
 from megatron_search.data.rubrics import RubricJudge
+from megatron_search.rewards.answer import qa_reward
 from megatron_search.rewards.preference import ReferenceAnswer
+from megatron_search.rm.service import ReferenceCache, reference_seed
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.dispatch import Dispatcher, JobResult
@@ -89,8 +91,6 @@ class RolloutDriver:
         self.dispatch_log = output_dir / "rollout_dispatch.jsonl"
         self.reference_engine = reference
         self.references_frozen = False  # rollout_engines: the engines no longer hold the initial policy
-        from megatron_search.rm.service import ReferenceCache
-
         self.references = ReferenceCache(output_dir / "reference_answers.jsonl", self._generate_references)
         jc, rc = cfg.reward.rubric_judge, cfg.data.rubric
         self.judge = None if jc is None else RubricJudge(LLMClient.from_config(jc), rc.prompt_version, rc.max_tokens)
@@ -159,8 +159,6 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ reference answers
     def _generate_references(self, prompts: list[list[dict]], samples: list[int]) -> list[ReferenceAnswer]:
-        from megatron_search.rm.service import reference_seed
-
         if self.reference is None and self.references_frozen:
             raise RuntimeError(f"reference answers for {len(prompts)} prompt(s) are not in the cache, and the rollout "
                                f"engines no longer hold the initial policy (grpo.reference_source=rollout_engines "
@@ -201,8 +199,6 @@ class RolloutDriver:
         """One rollout per held-out QA item on the rollout engines (the policy just pushed), seeded alike at
         every evaluation so the curve compares like with like: accuracy (reward.answer_match), effective
         tool calls (calls minus failed executions) and the share without a final answer."""
-        from megatron_search.rewards.answer import qa_reward
-
         jobs = [(i % len(self.agents), AgentTask(it.messages, seed=self.cfg.run.seed * 7_919 + i))
                 for i, it in enumerate(items)]
         results = [d.rollout if d.rollout is not None else d.error

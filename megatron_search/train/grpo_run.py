@@ -11,6 +11,7 @@ Per-step metrics gather in `metrics` and are written by end_step.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from megatron_search.rl.registry import build_policy_loss
 from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.local import LocalEngine
 from megatron_search.rollout.sglang import SGLangClient
+from megatron_search.rollout.vllm import VLLMClient
+from megatron_search.trainer.core import Trainer
 from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line
 from megatron_search.trainer.signals import StopRequest
@@ -60,8 +63,6 @@ class GRPORun:
     """Everything one GRPO run holds, and the steps of the loop (see the module docstring)."""
 
     def __init__(self, cfg, ctx):
-        from megatron_search.trainer.core import Trainer
-
         self.cfg, self.ctx = cfg, ctx
         self.out = Path(cfg.run.output_dir)
         self.is_driver = dist.get_rank() == 0
@@ -99,8 +100,6 @@ class GRPORun:
         if source == "urls":
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
             if self.cfg.rollout.engine == "vllm":  # reference URLs speak the API of rollout.engine
-                from megatron_search.rollout.vllm import VLLMClient
-
                 reference = VLLMClient(self.cfg.grpo.reference_urls[0], self.cfg.rollout.vllm.request_timeout_s)
         elif source == "in_process":  # the frozen initial policy, in process (loads the first sync's checkpoint)
             reference = LocalEngine.from_config(self.cfg)
@@ -340,8 +339,6 @@ class GRPORun:
 
     def _upcoming_prompts(self) -> list:
         """Every prompt the rest of the run will draw (a copy of the sampler walks ahead; the real one is untouched)."""
-        import copy
-
         ahead = copy.deepcopy(self.sampler)
         steps = self.cfg.grpo.steps - self.trainer.iteration
         return [item for _ in range(steps) for item in ahead.take(self.cfg.grpo.prompts_per_step)]

@@ -9,6 +9,7 @@ given as rollout.engine_urls are spread over the nodes in order (engine i on nod
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Optional, Sequence
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.rollout.sglang import SGLangClient
+from megatron_search.rollout.vllm import VLLMClient
 from megatron_search.weights.delivery import WeightSync
 from megatron_search.weights.export import export_hf_weights
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
@@ -63,8 +65,6 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
     kind = "sglang" if r.engine == "sglang" else "auto"
     clients = [SGLangClient(u, r.sglang.request_timeout_s, moe_shape, kind, tp_size=r.sglang.tp) for u in urls]
     if r.engine == "vllm":
-        from megatron_search.rollout.vllm import VLLMClient
-
         clients = [VLLMClient(u, r.vllm.request_timeout_s, moe_shape) for u in urls]
     rank_node = node_ids()
     engine_node = engine_nodes(cfg, len(clients), rank_node)
@@ -83,8 +83,6 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
 def save_hf_weights(model_chunks, cfg, groups, out_dir: Path, bucket_bytes: int) -> None:
     """Collective: stream the policy bucket by bucket into an HF checkpoint directory written by rank 0
     (sharded safetensors + config.json), never holding more than a bucket and one shard in memory."""
-    import shutil
-
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None

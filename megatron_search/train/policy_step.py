@@ -15,12 +15,13 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_search.kernels.logprob import token_logprobs
 
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
-from megatron_search.models.routing_replay import RoutingReplay
+from megatron_search.models.routing_replay import ExpertRecorder, RoutingReplay, recorded_agreement
 from megatron_search.models.wrappers import unwrap
 
 from .rollout_batch import RolloutBatch
@@ -68,8 +69,6 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
             replay.set_targets(mb.routed_experts_BSLK, backward=capture is None)
         agree = None
         if agreement is not None:
-            from megatron_search.models.routing_replay import ExpertRecorder, recorded_agreement
-
             with ExpertRecorder([model]) as rec:
                 logits = model(mb.tokens_BS, position_ids, None)
             tp_rank, tp_size, sp, layers = agreement
@@ -119,8 +118,6 @@ def split_microbatches(batch: RolloutBatch, micro_batch_size: int) -> list[Rollo
 
 
 def run_schedule(chunks: list, forward_step, mbs: list[RolloutBatch], forward_only: bool) -> list[dict]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     iterators = iter(mbs) if len(chunks) == 1 else [iter(mbs) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -21,8 +21,15 @@ from tqdm import tqdm
 
 from megatron_search.data.jsonl import append_jsonl, read_jsonl
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed import init_distributed
+from megatron_search.rollout.tokenizer import ChatEncoder
+from megatron_search.trainer.core import Trainer
+from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line
 from megatron_search.trainer.signals import StopRequest
+
+from .sft_data import SFTBatcher, chat_format_for, load_sft_datasets, tokenizer_for
+from .skill_check import SkillCheck
 
 log = logging.getLogger(__name__)
 TB_TAGS = {
@@ -35,8 +42,6 @@ TB_TAGS = {
 
 
 def build_batcher(cfg):
-    from .sft_data import SFTBatcher, chat_format_for, load_sft_datasets, tokenizer_for
-
     s = cfg.sft
     return SFTBatcher(load_sft_datasets(s.datasets), s.datasets, tokenizer_for(cfg), chat_format_for(cfg),
                       s.seq_length, s.global_batch_size, s.packing, cfg.run.seed,
@@ -55,11 +60,6 @@ def build_skill_check(cfg):
     """The sft.skill_check of this run (None when unset), with the run's tokenizer and chat format."""
     if not cfg.sft.skill_check.path:
         return None
-    from megatron_search.rollout.tokenizer import ChatEncoder
-
-    from .skill_check import SkillCheck
-    from .sft_data import chat_format_for, tokenizer_for
-
     return SkillCheck(cfg, ChatEncoder(tokenizer_for(cfg), chat_format_for(cfg)))
 
 
@@ -91,10 +91,6 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     "skill_checks": [{"iteration", "accuracy", "reached"}], "skill_reached": set when sft.skill_check ended the
     run (checkpoint saved; the checks are also in <output_dir>/skill_checks.jsonl)}.
     """
-    from megatron_search.distributed import init_distributed
-
-    from megatron_search.trainer.core import Trainer
-
     ctx = init_distributed(cfg, env=env, stage="sft")  # batch sizes against the real data-parallel size
     stop = StopRequest()
     writer = None
@@ -105,8 +101,6 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         if extra:
             batcher.load_state_dict(extra["data"])
         elif cfg.checkpoint.load and not cfg.checkpoint.resume:
-            from megatron_search.trainer.init_weights import load_model_weights
-
             load_model_weights(trainer, cfg.checkpoint.load)  # e.g. a previous SFT stage (curriculum)
         if on_start is not None:
             on_start(trainer)

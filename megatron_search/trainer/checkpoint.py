@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
+from megatron_search.config import dump_config
 from megatron_search.distributed import collectives as coll
 
 from .checkpoint_dir import save_checkpoint
@@ -42,8 +44,6 @@ class CheckpointError(RuntimeError):
 
 # ---------------------------------------------------------------------------------- RNG
 def capture_rng() -> dict:
-    from megatron.core import tensor_parallel
-
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -56,8 +56,6 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -68,8 +66,6 @@ def restore_rng(state: dict) -> None:
 
 def reseed_rng(seed: int, iteration: int, rank: int) -> None:
     """Fresh, deterministic RNG states when a checkpoint's per-rank states do not fit this layout."""
-    from megatron.core import tensor_parallel
-
     s = seed + 1_000_003 * iteration + rank
     random.seed(s)
     np.random.seed(s % 2**32)
@@ -100,8 +96,6 @@ def _layout(trainer) -> dict:
 # ---------------------------------------------------------------------------------- save / load
 def write_run_state(trainer, directory: Path, extra: dict) -> None:
     """Every rank: write this rank's part of the checkpoint into `directory` (a staging dir)."""
-    from megatron_search.config import dump_config
-
     rank = trainer.ctx.rank
     if rank == 0:
         (directory / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,8 @@ import torch
 from megatron_search.config.loader import ConfigError
 from megatron_search.config.schema import training_problems
 from megatron_search.distributed import collectives as coll
+from megatron_search.models.mtp import freeze_mtp
+from megatron_search.models.provider import build_model_chunks
 from megatron_search.trainer.step import (
     Batch,
     data_parallel_slice,
@@ -57,6 +59,8 @@ from megatron_search.trainer.step import (
     wrap_ddp,
 )
 
+from .checkpoint import load_run, save_run
+from .checkpoint_dir import latest_checkpoint
 from .lr import lr_from_config
 
 
@@ -69,9 +73,6 @@ class Trainer:
     """Megatron model + optimizer + schedule for one run; see the module docstring for the API."""
 
     def __init__(self, cfg, ctx, total_steps: int, train_mtp: bool = True):
-        from megatron_search.models.mtp import freeze_mtp
-        from megatron_search.models.provider import build_model_chunks
-
         if total_steps < 1:
             raise ValueError(f"Trainer: total_steps must be >= 1, got {total_steps}")
         problems = training_problems(cfg)  # also checked when the config is loaded for a stage
@@ -150,14 +151,10 @@ class Trainer:
 
     def save(self, extra: Optional[dict] = None, root: Optional[Path] = None) -> Path:
         """Checkpoint the complete run state as step_<iteration> under the checkpoint root."""
-        from .checkpoint import save_run
-
         return save_run(self, Path(root) if root else self.root, extra or {})
 
     def load(self, path: Path) -> dict:
         """Restore everything `save` wrote from checkpoint directory `path`; returns its `extra`."""
-        from .checkpoint import load_run
-
         return load_run(self, Path(path))
 
     def resume(self) -> dict:
@@ -169,8 +166,6 @@ class Trainer:
         Returns the saved `extra` ({} when starting fresh). Raises when resume is asked for but no
         checkpoint exists, so a typo in the path never silently restarts from scratch.
         """
-        from .checkpoint_dir import latest_checkpoint
-
         ck = self.cfg.checkpoint
         if not ck.resume:
             return {}

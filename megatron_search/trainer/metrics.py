@@ -5,13 +5,13 @@ import math
 from pathlib import Path
 from typing import Mapping
 
+from torch.utils.tensorboard import SummaryWriter
+
 
 class MetricsWriter:
     def __init__(self, log_dir: str | Path | None, enabled: bool = True):
         self._tb = None
         if enabled and log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self._tb = SummaryWriter(log_dir=str(log_dir))
 

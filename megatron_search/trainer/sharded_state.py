@@ -13,9 +13,21 @@ Adam's "step" around DistributedOptimizer loads without Transformer Engine / Ape
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed import checkpoint as dcp
+
+from megatron_search.distributed import cpu_compat
 
 _DIST_CKPT_MODULES = (
     "megatron.core.dist_checkpointing.strategies.torch",
@@ -46,8 +58,6 @@ def _prime_fresh_distributed_optimizer(optimizer) -> None:
     step 0 are exactly what torch's Adam creates at its first step, so a run whose every step was
     skipped (GRPO: no group with signal) saves, and resumes, as if fresh; a load overwrites them.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
             continue
@@ -66,8 +76,6 @@ def _load_keeping_torch_adam_step(optimizer) -> None:
     deliberately leave out "step" (restored from the param groups just before), then fail on that
     missing key. Per instance, "step" is set aside while each parameter's tensors are copied.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not isinstance(opt, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(opt):
             continue
@@ -113,12 +121,6 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
 
 
 def _dist_ckpt():
-    import importlib
-
-    from megatron.core import dist_checkpointing
-
-    from megatron_search.distributed import cpu_compat
-
     # The save/load strategies are imported lazily by Megatron; load them now so the CPU compat
     # layer (a no-op on GPU) also redirects their torch.cuda calls.
     for name in _DIST_CKPT_MODULES:
@@ -136,14 +138,6 @@ def _save_strategy():
     with Megatron's own helpers and planner and writes it with torch.distributed.checkpoint's
     plain FileSystemWriter, so the result is the same torch_dist checkpoint Megatron loads.
     """
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed import checkpoint as dcp
-
     class SyncTorchDistSave(SaveShardedStrategy):
         @property
         def can_handle_sharded_objects(self) -> bool:

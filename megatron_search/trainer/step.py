@@ -17,6 +17,10 @@ from functools import partial
 from typing import Callable, Iterable
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
@@ -43,8 +47,6 @@ class Batch:
 
 def wrap_ddp(cfg, chunks: list, config) -> list:
     """Megatron DDP around each chunk and the TransformerConfig hooks the schedules call."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -66,8 +68,6 @@ def distributed_optimizer_enabled(cfg) -> bool:
 
 def make_optimizer(cfg, ddp_chunks: list):
     """Megatron Adam from cfg.optim (separate expert / dense groups, grad clipping, fp32 master if bf16)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     o, m = cfg.optim, cfg.model
     ocfg = OptimizerConfig(
         optimizer="adam",
@@ -108,8 +108,6 @@ def forward_backward(
     forward_only: bool = False,
 ) -> list[dict]:
     """Run Megatron's schedule over the microbatches; returns the last stage's loss dicts."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     def forward_step(data_iterator, model):
         b: Batch = next(data_iterator).to(next(model.parameters()).device)  # host until here
         s = b.tokens.shape[1]
@@ -167,8 +165,6 @@ def mtp_loss_of_step(num_microbatches: int, groups) -> float:
     """The MTP loss of the training forwards since the last call (Megatron's MTP loss tracker: masked
     token-mean cross entropy of token t+2 per micro-batch, first MTP layer), averaged over micro-batches
     and DP ranks and the same on every rank; the tracker is cleared. 0.0 when no MTP forward ran."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     tracker = MTPLossLoggingHelper.tracker
     loss = torch.zeros((), dtype=torch.float64)
     if "values" in tracker:

@@ -18,12 +18,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-
-from megatron_search.distributed import collectives as coll
+from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from megatron_search.config.hf import architecture_from_hf, load_hf_config
+from megatron_search.distributed import collectives as coll
 from megatron_search.models.hf_mapping import Mapping
+from megatron_search.models.provider import build_model_chunks
 from megatron_search.weights.expert_layout import ExpertFuser, is_fused_checkpoint
 from megatron_search.weights.export import HFExporter
 from megatron_search.weights.hf_source import HFTensorSource
@@ -61,10 +62,6 @@ def check_architecture(cfg, hf_config_path: Path) -> None:
 
 def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progress: bool = True) -> None:
     """Convert an HF safetensors directory to a Megatron distributed checkpoint (collective)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_search.models.provider import build_model_chunks
-
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_architecture(cfg, hf_dir / "config.json")
     arch = cfg.model.architecture
@@ -98,10 +95,6 @@ def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Map
 
 def load_mcore_checkpoint(cfg, ckpt_dir: str | Path, groups) -> list[torch.nn.Module]:
     """Build this rank's model chunks (in `groups`) and load a distributed checkpoint into them (any layout)."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_search.models.provider import build_model_chunks
-
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a Megatron distributed checkpoint (no metadata.json)")

@@ -14,7 +14,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_search.weights.checkpoint import EXTRA_DIR
+import torch
+
+from megatron_search.config.loader import load_config
+from megatron_search.distributed.init import init_distributed
+from megatron_search.weights.checkpoint import EXTRA_DIR, hf_to_mcore, mcore_to_hf
 from megatron_search.weights.launch import run_ranks
 
 
@@ -32,12 +36,6 @@ def _overrides(hf_config: str, tp: int, pp: int, ep: int, etp: int, extra: Seque
 
 
 def _rank_main(direction: str, config: Optional[str], overrides: list[str], src: str, dst: str, opts: dict):
-    import torch
-
-    from megatron_search.config.loader import load_config
-    from megatron_search.distributed.init import init_distributed
-    from megatron_search.weights.checkpoint import hf_to_mcore, mcore_to_hf
-
     cfg = load_config(config, overrides)
     ctx = init_distributed(cfg)
     try:

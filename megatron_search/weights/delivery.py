@@ -43,9 +43,13 @@ from typing import Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from megatron_search.config.hf import Architecture
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.init import free_port
+from megatron_search.rollout.weight_group import (FLAT, close_weight_group, open_weight_group,
+                                                  send_flat_bucket)
 from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
 from megatron_search.weights.send_plan import (Destination, LinkCosts, colocated_destinations,
                                                disaggregated_destination)
@@ -180,7 +184,6 @@ class WeightSync:
         group, self._group, self._members = self._group, None, {}
         if group is None:
             return
-        from megatron_search.rollout.weight_group import close_weight_group
 
         name = self._my_group_name()
         await asyncio.gather(*(self.engines[i].destroy_weights_update_group(name) for i in engines))
@@ -311,8 +314,6 @@ class WeightSync:
             await asyncio.gather(*(e.update_weights_from_tensor(bucket, weight_version=None, flush_cache=False)
                                    for e in engines))
         else:
-            from megatron_search.rollout.weight_group import FLAT, send_flat_bucket
-
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
@@ -335,8 +336,6 @@ class WeightSync:
 
     async def _open_group(self) -> None:
         """This rank hosts a broadcast group with every engine: rank 0 here, engines from rank 1 on."""
-        from megatron_search.distributed.init import free_port
-        from megatron_search.rollout.weight_group import open_weight_group
 
         port = free_port(self.sender_address)
         members = sorted(self._live)
@@ -356,7 +355,6 @@ class WeightSync:
 
     def _write_disk(self, d: int, bucket, tag: str) -> None:
         """Each sender writes its own files into the version's directory (renamed whole by the controller)."""
-        from safetensors.torch import save_file
 
         tmp, _ = self._disk_paths(d, tag)
         tmp.mkdir(parents=True, exist_ok=True)

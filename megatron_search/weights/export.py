@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import MappingError, Match
+from megatron_search.rollout.weight_group import round_up_bytes
 from megatron_search.weights.params import LocalParam, local_params, model_mapping, padded_vocab_size
 from megatron_search.weights.send_plan import Destination, LinkCosts, ParamShards, SendPlan, build_send_plan
 
@@ -61,8 +62,6 @@ class StagingBuffers:
     def get(self, key, nbytes: int) -> torch.Tensor:
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < nbytes:
-            from megatron_search.rollout.weight_group import round_up_bytes
-
             self._bufs.pop(key, None)
             buf = torch.empty(round_up_bytes(nbytes), dtype=torch.uint8, device=self.device)
             self._bufs[key] = buf

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
+from safetensors import safe_open
 
 _PER_EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -45,7 +46,6 @@ class HFTensorSource:
     @classmethod
     def from_dir(cls, path: str | Path) -> "HFTensorSource":
         """A directory of *.safetensors (sharded with model.safetensors.index.json or not)."""
-        from safetensors import safe_open
 
         root = Path(path)
         index = root / "model.safetensors.index.json"
@@ -113,15 +113,11 @@ class HFTensorSource:
 
 
 def _read(path: str, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as f:
         return f.get_tensor(key)
 
 
 def _read_slice(path: str, key: str, e: int, rows: Optional[slice]) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as f:
         sl = f.get_slice(key)
         t = sl[e : e + 1] if rows is None else sl[e : e + 1, rows]

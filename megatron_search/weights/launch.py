@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from megatron_search.distributed.init import free_port
+
 
 class WorkerError(RuntimeError):
     """A spawned rank failed; the message carries its traceback."""
@@ -38,7 +40,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     """Results of fn(*args) per rank (index = rank). Runs in place when launched by torchrun/Slurm."""
     if launched_externally():
         return [fn(*args)]
-    from megatron_search.distributed.init import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from tqdm import tqdm
 
 from megatron_search.text import normalize_answer
+from ..llm_client import LLMError, LLMOutputError
 from ..world_schema import ATTRIBUTES, ENTITY_TYPES
 from .evidence import Evidence
 from .extract import Claim
@@ -277,8 +278,6 @@ def make_solver(search) -> Callable[[str, SolverSpec], SolverResult]:
 
 def llm_question_stage(chains: list[ChainRecord], write: Callable[[ChainRecord], str]) -> tuple[list[QuestionRecord], list[Dropped]]:
     """LLM-backed question writing: `write` returns the question or raises (leaks, bad output)."""
-    from ..llm_client import LLMError, LLMOutputError
-
     kept, dropped, seen = [], [], set()
     for chain in chains:
         try:
