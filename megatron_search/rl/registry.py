@@ -30,9 +30,6 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The loss registered under `name`; KeyError listing the known names otherwise."""
-    # start-up: import cycle (losses.py imports this module); importing it registers the built-in losses
-    from . import losses  # noqa: F401
-
     try:
         return _POLICY_LOSSES[name]
     except KeyError:
@@ -40,8 +37,6 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 
 def policy_loss_names() -> list[str]:
-    from . import losses  # start-up: import cycle (losses.py imports this module)  # noqa: F401
-
     return sorted(_POLICY_LOSSES)
 
 

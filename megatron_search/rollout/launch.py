@@ -22,6 +22,7 @@ from megatron_search.config import dump_config
 
 from .auth import job_key, key_from_env, use_key_env
 from .sglang import SGLangClient, ServerProcess, launch_local_server, launch_router, launch_sglang_servers
+from .vllm import VLLMClient, launch_vllm_servers
 
 
 @dataclass
@@ -66,8 +67,6 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
     timeout = r.sglang.request_timeout_s
     use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
     if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm.py)
-        from .vllm import start_vllm_engines  # start-up: import cycle (vllm.py imports RolloutEngines from here)
-
         return start_vllm_engines(cfg, output_dir, moe_shape)
     if r.engine_urls:
         key = key_from_env(r.api_key_env)
@@ -118,3 +117,39 @@ def _launch_together(launch, n: int) -> list[ServerProcess]:
                 f.result().stop()
         raise failed[0]
     return [f.result() for f in futures]
+
+
+def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]]):
+    """rollout.engine=vllm for launch.start_engines: attach to rollout.engine_urls, or start `rollout.num_engines`
+    vLLM servers (rollout.vllm.server=vllm) or local engine servers speaking vLLM's API (server=local)."""
+    r = cfg.rollout
+    timeout = r.vllm.request_timeout_s
+    if r.engine_urls:
+        key = key_from_env(r.api_key_env)
+        return RolloutEngines([VLLMClient(u, timeout, moe_shape, api_key=key) for u in r.engine_urls])
+    key = job_key(r.api_key_env)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if r.vllm.server == "vllm":
+        servers = launch_vllm_servers(cfg, out)
+    else:
+        config_path = out / "rollout_engine_config.yaml"
+        tmp = config_path.with_suffix(".tmp")
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, config_path)
+
+        def launch(i: int) -> ServerProcess:  # the server reads rollout.engine=vllm: vLLM's API
+            return launch_local_server(str(config_path), [], out / f"local_vllm_engine_{i}.log",
+                                       r.local.startup_timeout_s, host=r.local.host, api_key=key,
+                                       api_key_env=r.api_key_env)
+
+        with ThreadPoolExecutor(max_workers=r.num_engines) as pool:
+            futures = [pool.submit(launch, i) for i in range(r.num_engines)]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().stop()
+            raise failed[0]
+        servers = [f.result() for f in futures]
+    return RolloutEngines([VLLMClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)

@@ -36,20 +36,17 @@ import io
 import math
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 from urllib.parse import urlencode
 
 import numpy as np
 
-from megatron_search.config import dump_config
 from megatron_search.config.rollout import VLLM_VERSION  # noqa: F401 (re-exported)
 
-from .auth import job_key, key_from_env
+from .auth import job_key
 from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode
-from .launch import RolloutEngines
-from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess, launch_local_server
+from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess
 from .types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -404,42 +401,6 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
             s.stop()
         raise
     return servers
-
-
-def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]]):
-    """rollout.engine=vllm for launch.start_engines: attach to rollout.engine_urls, or start `rollout.num_engines`
-    vLLM servers (rollout.vllm.server=vllm) or local engine servers speaking vLLM's API (server=local)."""
-    r = cfg.rollout
-    timeout = r.vllm.request_timeout_s
-    if r.engine_urls:
-        key = key_from_env(r.api_key_env)
-        return RolloutEngines([VLLMClient(u, timeout, moe_shape, api_key=key) for u in r.engine_urls])
-    key = job_key(r.api_key_env)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if r.vllm.server == "vllm":
-        servers = launch_vllm_servers(cfg, out)
-    else:
-        config_path = out / "rollout_engine_config.yaml"
-        tmp = config_path.with_suffix(".tmp")
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, config_path)
-
-        def launch(i: int) -> ServerProcess:  # the server reads rollout.engine=vllm: vLLM's API
-            return launch_local_server(str(config_path), [], out / f"local_vllm_engine_{i}.log",
-                                       r.local.startup_timeout_s, host=r.local.host, api_key=key,
-                                       api_key_env=r.api_key_env)
-
-        with ThreadPoolExecutor(max_workers=r.num_engines) as pool:
-            futures = [pool.submit(launch, i) for i in range(r.num_engines)]
-        failed = [f.exception() for f in futures if f.exception() is not None]
-        if failed:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().stop()
-            raise failed[0]
-        servers = [f.result() for f in futures]
-    return RolloutEngines([VLLMClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
 
 
 def serve_argv(vllm_argv: Sequence[str], api_key_env: str, gpus: Optional[Sequence[int]] = None) -> list[str]:

@@ -66,3 +66,17 @@ def read_api_key(env_var: Optional[str]) -> Optional[str]:
             f"search.api_key_env names environment variable {env_var!r}, but it is not set (or empty)"
         )
     return key
+
+
+def build_backend(cfg) -> SearchBackend:
+    """The backend a `SearchConfig` names (local: load/build the index; searxng: HTTP client)."""
+    if cfg.backend == "local":
+        from .local import load_or_build  # start-up: bm25s + numpy (+0.12 s), every CLI command imports this package
+
+        return load_or_build(cfg.index_dir, cfg.corpus, cfg.snippet_chars)
+    if cfg.backend == "searxng":
+        from .searxng import SearxngBackend  # start-up: aiohttp (+0.13 s), every CLI command imports this package
+
+        return SearxngBackend(cfg.url, cfg.timeout_s, cfg.retries, cfg.retry_backoff_s, cfg.api_key_env,
+                              cfg.max_connections)
+    raise ValueError(f"search.backend: unknown backend {cfg.backend!r} (expected 'local' or 'searxng')")

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .base import SearchBackend, SearchBackendError, SearchResult, SearchTimeout
+from .base import SearchBackend, SearchBackendError, SearchResult, SearchTimeout, build_backend
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,6 @@ class SearchTool:
     def from_config(cls, cfg, backend: Optional[SearchBackend] = None) -> "SearchTool":
         """Build from a `SearchConfig`; the backend too unless one is given."""
         if backend is None:
-            from . import build_backend  # start-up: import cycle (the package __init__ imports this module)
-
             backend = build_backend(cfg)
         return cls(backend, cfg.max_results, cfg.max_query_chars, cfg.max_calls, cfg.call_timeout_s)
 
