@@ -26,7 +26,7 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
-    from megatron_search.train.demo import DEMO_CONFIG, Demo, _cli, _scalars
+    from megatron_search.demo.pipeline import DEMO_CONFIG, Demo, _cli, _scalars
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_grpo_"))
     repo = Path(__file__).resolve().parents[1]

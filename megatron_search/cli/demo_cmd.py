@@ -1,4 +1,4 @@
-"""`megatron-search demo`: the whole recipe end to end on one CPU machine (see train/demo.py)."""
+"""`megatron-search demo`: the whole recipe end to end on one CPU machine (see demo/pipeline.py)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
-    from megatron_search.train.demo import DEMO_CONFIG, Demo
+    from megatron_search.demo.pipeline import DEMO_CONFIG, Demo
 
     config = args.config or str(Path(__file__).resolve().parents[2] / DEMO_CONFIG)
     Demo(Path(args.out), config, list(args.overrides)).run()

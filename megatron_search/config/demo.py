@@ -1,4 +1,4 @@
-"""The embedded CPU demo's curriculum (`megatron-search demo`, train/demo.py).
+"""The embedded CPU demo's curriculum (`megatron-search demo`, demo/pipeline.py).
 
 The stages themselves are configured by the usual sections (`sft`, `optim`, `rm`, `grpo`, ...);
 this section holds what only the demo decides: its world's phrasing and answer style, the practice

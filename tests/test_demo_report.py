@@ -1,7 +1,7 @@
 """The demo report's strategy table, pass@k and figures, on rows written by hand."""
 import pytest
 
-from megatron_search.train.demo_report import pass_at_k, plot_curves, strategy_table
+from megatron_search.demo.report import pass_at_k, plot_curves, strategy_table
 
 
 def _row(qid, sample, correct, queries=()):

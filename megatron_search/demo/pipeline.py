@@ -42,7 +42,7 @@ from megatron_search.rollout.tokenizer import BPETokenizer
 from megatron_search.search.local import build_index
 from megatron_search.search.tool import SearchTool
 
-from .demo_report import FIGURES, pass_at_k, plot_curves, strategy_table
+from .report import FIGURES, pass_at_k, plot_curves, strategy_table
 
 DEMO_CONFIG = "configs/demo.yaml"
 
@@ -218,7 +218,7 @@ class Demo:
         # never shows), at most eval.max_calls calls
         evaluate(cfg, models, [BenchmarkSpec("records", str(p["qa"]), split="test", name="heldout")], p["eval"],
                  index_dir=str(p["index"]), variants=("standard",), progress=True)
-        # RL's ceiling: the SFT policy's pass@k on a sample of the training questions (demo_report.pass_at_k)
+        # RL's ceiling: the SFT policy's pass@k on a sample of the training questions (report.pass_at_k)
         d = self.curriculum
         cfg_k = load_config(self.config, [*self.common(), f"eval.samples={d.pass_k}"])
         evaluate(cfg_k, {"sft": models["sft"]}, [BenchmarkSpec("records", str(p["qa"]), split="train", name="train")],
