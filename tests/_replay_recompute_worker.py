@@ -47,7 +47,7 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
         cfg = load_config(None, [f"model.hf_config={arch_dir}", f"parallel.world_size={world}", "optim.lr=1e-3",
                                  "grpo.routing_replay=true", f"grpo.updates_per_batch={updates}", *layout, *recompute])
         ctx = init_distributed(cfg, env=env)
-        chunks = build_model_chunks(cfg, ctx.groups)
+        chunks = build_model_chunks(cfg, ctx.groups, routing_replay=cfg.grpo.routing_replay)
         if full is None:  # every setting starts from the first build's weights (world 1: the whole model)
             full = torch.load(Path(shared) / "full.pt") if world > 1 else reshard.full_state(chunks[0])
             if world == 1:

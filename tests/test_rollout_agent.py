@@ -203,7 +203,7 @@ def test_settings_come_from_the_config():
     from megatron_search.config import load_config
 
     cfg = load_config(None, ["rollout.max_new_tokens=333", "rollout.temperature=0.9", "grpo.routing_replay=true"])
-    t = AgentSettings.for_training(cfg)
+    t = AgentSettings.for_training(cfg.rollout, cfg.grpo.wants_routed_experts())
     assert (t.max_new_tokens, t.temperature, t.concurrency, t.return_routed_experts) == (333, 0.9, 64, True)
     e = AgentSettings.for_eval(cfg)  # RECIPE 8: 8192 output tokens, temperature 0.6
     assert (e.max_new_tokens, e.temperature, e.return_routed_experts) == (8192, 0.6, False)

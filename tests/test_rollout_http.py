@@ -54,7 +54,7 @@ def server(tokenizer, tmp_path_factory):
     # started the way training starts it (rollout.launch.start_engines), chat endpoint on model.tokenizer
     cfg = load_config(None, [f"model.tokenizer={tokenizer[1]}", "rollout.local.seed=0",
                              "rollout.local.max_running_requests=64", "rollout.local.startup_timeout_s=300"])
-    engines = start_engines(cfg, tmp_path_factory.mktemp("srv"))
+    engines = start_engines(cfg, tmp_path_factory.mktemp("srv"), routed_experts=True)  # requests below ask for them
     assert len(engines.servers) == 1 and engines.clients[0].base_url == engines.servers[0].url
     assert key_from_env() is not None  # the job's key (generated here unless set), which raw requests below send
     yield engines.servers[0]

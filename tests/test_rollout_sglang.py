@@ -19,7 +19,7 @@ from megatron_search.rollout.types import GenerateRequest, SamplingParams
 def test_launch_line_carries_the_flags_this_project_needs():
     cfg = load_config(None, ["rollout.sglang.tp=8", "rollout.sglang.ep=8", "rollout.sglang.dp=2",
                              "rollout.sglang.extra_args=[--attention-backend,fa3]"])
-    argv = sglang_command(cfg.rollout.sglang, "/ckpt/qwen", 30000, routing_replay=True, seed=7, weight_version="3")
+    argv = sglang_command(cfg.rollout.sglang, "/ckpt/qwen", 30000, routed_experts=True, seed=7, weight_version="3")
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     pairs = dict(zip(argv[3::1], argv[4::1]))
     for flag, value in {"--model-path": "/ckpt/qwen", "--tp-size": "8", "--ep-size": "8", "--dp-size": "2",
@@ -30,10 +30,10 @@ def test_launch_line_carries_the_flags_this_project_needs():
         assert flag in argv
     assert argv[-2:] == ["--attention-backend", "fa3"]
     plain = sglang_command(load_config(None, ["rollout.sglang.enable_memory_saver=false"]).rollout.sglang,
-                           "/m", 1, routing_replay=False)
+                           "/m", 1, routed_experts=False)
     assert "--enable-return-routed-experts" not in plain and "--enable-memory-saver" not in plain
     assert "--base-gpu-id" not in plain  # the first engine on a node starts at GPU 0
-    second = sglang_command(cfg.rollout.sglang, "/m", 30010, routing_replay=False, base_gpu_id=8)
+    second = sglang_command(cfg.rollout.sglang, "/m", 30010, routed_experts=False, base_gpu_id=8)
     assert second[second.index("--base-gpu-id") + 1] == "8"
 
 

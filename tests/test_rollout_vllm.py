@@ -32,7 +32,7 @@ VLLM = ["rollout.engine=vllm", "rollout.vllm.server=local"]
 def engines(tmp_path_factory):
     cfg = load_config(None, VLLM + ["rollout.local.seed=0", "grpo.routing_replay=true",
                                     "rollout.local.startup_timeout_s=300"])
-    eng = start_engines(cfg, tmp_path_factory.mktemp("vllm_srv"))
+    eng = start_engines(cfg, tmp_path_factory.mktemp("vllm_srv"), routed_experts=cfg.grpo.wants_routed_experts())
     assert len(eng.servers) == 1 and isinstance(eng.clients[0], VLLMClient)
     yield eng
     eng.stop_servers()
@@ -217,14 +217,14 @@ def test_config_checks_and_launch_line():
         with pytest.raises(ConfigError, match=what):
             load_config(None, ["rollout.engine=vllm", *bad])
     load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.return_original_logprob=true"])
-    argv = vllm_command(cfg.rollout.vllm, "/m", 30010, routing_replay=True, seed=7)
+    argv = vllm_command(cfg.rollout.vllm, "/m", 30010, routed_experts=True, seed=7)
     line = " ".join(argv)
     for flag in ("serve /m", "--port 30010", "--seed 7", "--logprobs-mode processed_logprobs", "--enable-scale-out",
                  "--enable-sleep-mode", "--enable-return-routed-experts", "--host 127.0.0.1",
                  "--enable-prompt-tokens-details"):
         assert flag in line, flag
     assert "--api-key" not in line
-    raw = vllm_command(cfg.rollout.vllm, "/m", 1, routing_replay=False, original_logprob=True)
+    raw = vllm_command(cfg.rollout.vllm, "/m", 1, routed_experts=False, original_logprob=True)
     assert "raw_logprobs" in raw and "--enable-return-routed-experts" not in raw
     os.environ.setdefault("MS_TEST_VLLM_KEY", "k" * 32)
     env = vllm_env("MS_TEST_VLLM_KEY", {})

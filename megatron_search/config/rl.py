@@ -50,6 +50,10 @@ class GRPOConfig(Section):
     routing_agreement: bool = Field(
         False, description="with routing replay off, also fetch the engine's experts and log how often training "
         "routes each token alike (train/routing_agreement)")
+
+    def wants_routed_experts(self) -> bool:
+        """The engines must record each token's experts (--enable-return-routed-experts): replay or agreement."""
+        return self.routing_replay or self.routing_agreement
     reference_urls: list[str] = Field(
         default_factory=list,
         description="engine(s) serving the frozen reference model whose answers s is measured against "

@@ -65,8 +65,8 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     sg = cfg.rollout.sglang.model_copy(update={
         "host": "0.0.0.0", "enable_memory_saver": colocated and cfg.rollout.sglang.enable_memory_saver})
-    argv = sglang_command(sg, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed + engine_index,
-                          base_gpu_id=base_gpu_id, api_key_env=cfg.rollout.api_key_env)
+    argv = sglang_command(sg, model_path, port, routed_experts=cfg.grpo.wants_routed_experts(),
+                          seed=cfg.run.seed + engine_index, base_gpu_id=base_gpu_id, api_key_env=cfg.rollout.api_key_env)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
@@ -86,8 +86,8 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     v = cfg.rollout.vllm.model_copy(update={"host": "0.0.0.0",
                                             "enable_sleep_mode": colocated and cfg.rollout.vllm.enable_sleep_mode})
-    inner = vllm_command(v, model_path, port, routing_replay=cfg.grpo.routing_replay, seed=cfg.run.seed + engine_index,
-                         original_logprob=cfg.rollout.return_original_logprob)
+    inner = vllm_command(v, model_path, port, routed_experts=cfg.grpo.wants_routed_experts(),
+                         seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob)
     if cfg.model.checkpoint is None and not cfg.rollout.vllm.model_path:
         inner += ["--load-format", "dummy"]
     argv = serve_argv(inner[1:], cfg.rollout.api_key_env, gpus)

@@ -2,7 +2,7 @@
 
     transformer_config_from_hf(cfg) -> TransformerConfig
     build_model(cfg, groups, pre_process=None, post_process=None, vp_stage=None) -> GPTModel for this rank
-    build_model_chunks(cfg, groups) -> [GPTModel per virtual pipeline stage]
+    build_model_chunks(cfg, groups, routing_replay=False) -> [GPTModel per virtual pipeline stage]
 
 Architectures register in ARCHITECTURES (model_type -> module). An architecture module provides
 `transformer_config_kwargs(cfg, hf, where, use_te)`, `gpt_model_kwargs(hf, where)` and
@@ -50,13 +50,14 @@ def architecture_module(cfg):
     return importlib.import_module(ARCHITECTURES[model_type]), raw, str(path)
 
 
-def transformer_config_from_hf(cfg):
-    """Megatron TransformerConfig for cfg.model (architecture from the HF config.json, layout from cfg.parallel)."""
+def transformer_config_from_hf(cfg, routing_replay: bool = False):
+    """Megatron TransformerConfig for cfg.model (architecture from the HF config.json, layout from cfg.parallel).
+    `routing_replay` (RECIPE 3, GRPO's grpo.routing_replay): every router gets a RouterReplay that can force the
+    engine's experts."""
     module, raw, where = architecture_module(cfg)
     use_te = use_transformer_engine(cfg.model.transformer_impl)
     kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
-    # RECIPE 3 routing replay: every router gets a RouterReplay that can force the engine's experts.
-    kwargs["moe_enable_routing_replay"] = bool(cfg.grpo.routing_replay)
+    kwargs["moe_enable_routing_replay"] = routing_replay
     return getattr(module, "config_class", TransformerConfig)(**kwargs)
 
 
@@ -97,9 +98,10 @@ def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool
     return model
 
 
-def build_model_chunks(cfg, groups) -> list:
-    """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP)."""
-    config = transformer_config_from_hf(cfg)
+def build_model_chunks(cfg, groups, routing_replay: bool = False) -> list:
+    """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP); `routing_replay`: see
+    transformer_config_from_hf."""
+    config = transformer_config_from_hf(cfg, routing_replay)
     if cfg.parallel.vpp is None:
         return [build_model(cfg, groups, config=config)]
     return [build_model(cfg, groups, vp_stage=v, config=config) for v in range(cfg.parallel.vpp)]

@@ -60,10 +60,12 @@ class AgentSettings:
     return_routed_experts: bool = False
 
     @classmethod
-    def for_training(cls, cfg) -> "AgentSettings":
-        r = cfg.rollout
+    def for_training(cls, rollout, routed_experts: bool = False) -> "AgentSettings":
+        """From a RolloutConfig; `routed_experts`: ask the engine for each token's experts (GRPO's routing replay
+        or agreement, GRPOConfig.wants_routed_experts)."""
+        r = rollout
         return cls(r.max_new_tokens, r.max_total_tokens, r.max_turns, r.temperature, r.top_p, r.concurrency,
-                   cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
+                   routed_experts)
 
     @classmethod
     def for_eval(cls, cfg) -> "AgentSettings":

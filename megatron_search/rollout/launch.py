@@ -59,15 +59,17 @@ class RolloutEngines:
         self.servers = []
 
 
-def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
-    """Engines for `cfg` (see module doc); logs and the resolved config go under `output_dir`."""
+def start_engines(cfg, output_dir: str | os.PathLike, routed_experts: bool = False) -> RolloutEngines:
+    """Engines for `cfg` (see module doc); logs and the resolved config go under `output_dir`. `routed_experts`:
+    servers started here record each token's experts (--enable-return-routed-experts), for routing replay or
+    agreement; engines at rollout.engine_urls must have been started so."""
     r = cfg.rollout
     arch = cfg.model.architecture
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     timeout = r.sglang.request_timeout_s
     use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
     if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm.py)
-        return start_vllm_engines(cfg, output_dir, moe_shape)
+        return start_vllm_engines(cfg, output_dir, moe_shape, routed_experts)
     if r.engine_urls:
         key = key_from_env(r.api_key_env)
         return RolloutEngines([SGLangClient(u, timeout, moe_shape, tp_size=r.sglang.tp, api_key=key)
@@ -82,12 +84,13 @@ def start_engines(cfg, output_dir: str | os.PathLike) -> RolloutEngines:
         os.replace(tmp, config_path)
         def launch(i: int) -> ServerProcess:
             return launch_local_server(str(config_path), [], out / f"local_engine_{i}.log", r.local.startup_timeout_s,
-                                       host=r.local.host, api_key=key, api_key_env=r.api_key_env)
+                                       host=r.local.host, api_key=key, api_key_env=r.api_key_env,
+                                       routed_experts=routed_experts)
 
         servers = _launch_together(launch, r.num_engines)
         return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers,
                               restart_timeout_s=r.local.startup_timeout_s)
-    servers = launch_sglang_servers(cfg, out)
+    servers = launch_sglang_servers(cfg, out, routed_experts=routed_experts)
     if r.sglang.use_router and len(servers) > 1:
         try:
             router = launch_router([s.url for s in servers], r.sglang.host, r.sglang.router_port,
@@ -119,7 +122,8 @@ def _launch_together(launch, n: int) -> list[ServerProcess]:
     return [f.result() for f in futures]
 
 
-def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]]):
+def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[tuple[int, int]],
+                       routed_experts: bool = False) -> RolloutEngines:
     """rollout.engine=vllm for launch.start_engines: attach to rollout.engine_urls, or start `rollout.num_engines`
     vLLM servers (rollout.vllm.server=vllm) or local engine servers speaking vLLM's API (server=local)."""
     r = cfg.rollout
@@ -131,7 +135,7 @@ def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[t
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if r.vllm.server == "vllm":
-        servers = launch_vllm_servers(cfg, out)
+        servers = launch_vllm_servers(cfg, out, routed_experts=routed_experts)
     else:
         config_path = out / "rollout_engine_config.yaml"
         tmp = config_path.with_suffix(".tmp")
@@ -141,7 +145,7 @@ def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[t
         def launch(i: int) -> ServerProcess:  # the server reads rollout.engine=vllm: vLLM's API
             return launch_local_server(str(config_path), [], out / f"local_vllm_engine_{i}.log",
                                        r.local.startup_timeout_s, host=r.local.host, api_key=key,
-                                       api_key_env=r.api_key_env)
+                                       api_key_env=r.api_key_env, routed_experts=routed_experts)
 
         with ThreadPoolExecutor(max_workers=r.num_engines) as pool:
             futures = [pool.submit(launch, i) for i in range(r.num_engines)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -46,6 +47,7 @@ ENGINE_KEY = web.AppKey("engine", LocalEngine)
 CHAT_KEY = web.AppKey("chat", object)
 API_KEY = web.AppKey("api_key", str)
 SIZES_KEY = web.AppKey("parameter_sizes", tuple)  # (largest parameter's elements, all parameters' elements)
+SGLANG_ROUTED_EXPERTS_KEY = web.AppKey("sglang_routed_experts", bool)  # --enable-return-routed-experts
 TENSOR_ROUTE = "/update_weights_from_tensor"
 DEFAULT_LIMITS = {"default": 64 << 20, TENSOR_ROUTE: 1 << 31}
 
@@ -179,6 +181,9 @@ def generate_response(req: GenerateRequest, res, rid: str) -> dict:
 @handler
 async def generate(request: web.Request, engine: LocalEngine) -> web.Response:
     req = parse_generate(await read_json(request))
+    if req.return_routed_experts and not request.app[SGLANG_ROUTED_EXPERTS_KEY]:
+        # SGLang without --enable-return-routed-experts records none and answers without them (0.5.23)
+        req = dataclasses.replace(req, return_routed_experts=False)
     res = await engine.generate(req)
     return web.json_response(generate_response(req, res, req.rid or uuid.uuid4().hex))
 
@@ -360,8 +365,8 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
               limits: Optional[dict] = None, api: str = "sglang", routed_experts: bool = False) -> web.Application:
     """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions; with `api_key` every route SGLang
     guards needs it (require_api_key); `limits`: body bytes per route (body_limits; default DEFAULT_LIMITS).
-    api="vllm": vLLM 0.33.0's routes and key rule instead of SGLang's (rollout/local_vllm.py; `routed_experts`
-    is its --enable-return-routed-experts)."""
+    api="vllm": vLLM 0.33.0's routes and key rule instead of SGLang's (rollout/local_vllm.py). `routed_experts` is
+    either server's --enable-return-routed-experts: without it, requests get no routed experts back."""
     limits = dict(limits or DEFAULT_LIMITS)
     if api not in ("sglang", "vllm"):
         raise ValueError(f"api must be 'sglang' or 'vllm', got {api!r}")
@@ -375,6 +380,7 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
         app[API_KEY] = api_key
     params = [p.numel() for p in engine.runner.model.parameters()]  # at start: shapes never change, storage may be released later
     app[SIZES_KEY] = (max(params, default=0), sum(params))
+    app[SGLANG_ROUTED_EXPERTS_KEY] = routed_experts
     if api == "vllm":
         add_vllm_routes(app, engine, api_key, routed_experts)
         post, get = {}, {"/local/weights_sha256": weights_sha256, "/local/memory": memory}
@@ -452,6 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--api-key-env", default=None, metavar="NAME",
                    help="environment variable holding the API key every guarded route needs (the key itself is never "
                         "an argument); default rollout.api_key_env; unset or empty: no key, every route open")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record each token's routed experts so requests may ask for them (SGLang's and vLLM's flag)")
     p.add_argument("--api", choices=("sglang", "vllm"), default=None,
                    help="HTTP API served: SGLang's, or vLLM 0.33.0's subset (rollout/local_vllm.py); default vllm "
                         "when rollout.engine=vllm (rollout.vllm.server=local), else sglang")
@@ -490,7 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     port = cfg.rollout.local.port if args.port is None else args.port
     try:
         asyncio.run(serve(engine, host, port, chat, args.port_file, api_key, body_limits(cfg), api,
-                          routed_experts=cfg.grpo.routing_replay))
+                          routed_experts=args.enable_return_routed_experts))
     except KeyboardInterrupt:
         pass
     return 0

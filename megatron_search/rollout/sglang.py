@@ -411,14 +411,15 @@ ENGINE_PORT_STRIDE = 10  # an SGLang server takes a few ports after its HTTP one
 
 
 def sglang_command(
-    sg, model_path: str, port: int, routing_replay: bool, seed: int = 0,
+    sg, model_path: str, port: int, routed_experts: bool, seed: int = 0,
     weight_version: str = "default", skip_tokenizer_init: bool = True, base_gpu_id: int = 0,
     api_key_env: Optional[str] = None,
 ) -> list[str]:
     """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`; engines that share a node
     pass disjoint `base_gpu_id`s (the server uses GPUs base_gpu_id .. base_gpu_id + TP x DP - 1). With
     `api_key_env` the server starts through rollout/sglang_serve.py, which gives SGLang the key in `$api_key_env`
-    as its --api-key without it ever being in argv or the log."""
+    as its --api-key without it ever being in argv or the log. `routed_experts`: the server records every token's
+    experts, so requests may ask for them (routing replay or agreement; without it SGLang returns none)."""
     head = [sys.executable, "-m", "sglang.launch_server"]
     if api_key_env:
         head = [sys.executable, "-m", "megatron_search.rollout.sglang_serve", "--api-key-env", api_key_env]
@@ -436,7 +437,7 @@ def sglang_command(
         argv.append("--skip-tokenizer-init")  # token in, token out: the transcript is never re-tokenised
     if sg.enable_memory_saver:
         argv.append("--enable-memory-saver")
-    if routing_replay:
+    if routed_experts:
         argv.append("--enable-return-routed-experts")
     if sg.context_length:
         argv += ["--context-length", str(sg.context_length)]
@@ -445,8 +446,9 @@ def sglang_command(
     return argv + list(sg.extra_args)
 
 
-def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None) -> list[ServerProcess]:
-    """Start `rollout.num_engines` SGLang servers and wait for each to be healthy."""
+def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None,
+                          routed_experts: bool = False) -> list[ServerProcess]:
+    """Start `rollout.num_engines` SGLang servers and wait for each to be healthy (`routed_experts`: sglang_command)."""
     sg = cfg.rollout.sglang
     model_path = model_path or sg.model_path or cfg.model.checkpoint
     if not model_path:
@@ -460,7 +462,7 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
     try:
         for i in range(cfg.rollout.num_engines):  # all on this host: each on its own GPUs
             port = sg.base_port + ENGINE_PORT_STRIDE * i
-            argv = sglang_command(sg, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
+            argv = sglang_command(sg, model_path, port, routed_experts, seed=cfg.model.seed + i,
                                   skip_tokenizer_init=sg.skip_tokenizer_init, base_gpu_id=i * sg.tp * sg.dp,
                                   api_key_env=key_env)
             server = ServerProcess(argv, Path(output_dir) / sg.log_dir / f"server_{i}.log", env)
@@ -494,7 +496,7 @@ def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: st
 def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
                         timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None,
                         host: str = "127.0.0.1", device: Optional[str] = None, api_key: Optional[str] = None,
-                        api_key_env: Optional[str] = None) -> ServerProcess:
+                        api_key_env: Optional[str] = None, routed_experts: bool = False) -> ServerProcess:
     """Start the local engine server on `host` (free port; model on `device`, default CPU) and wait until it is healthy.
 
     It requires `api_key` (default: this job's key, `auth.job_key`), handed over in the environment variable
@@ -511,6 +513,8 @@ def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] =
         argv += ["--tokenizer", tokenizer]
     if device:
         argv += ["--device", device]
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")  # as SGLang's and vLLM's flag
     server = ServerProcess(argv, log_path, env)
     deadline = time.monotonic() + timeout_s
     while not port_file.exists():

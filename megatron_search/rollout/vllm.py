@@ -341,7 +341,7 @@ def encode_npy_experts(experts_NLK: np.ndarray) -> str:
 
 # --- processes ------------------------------------------------------------------------------------
 
-def vllm_command(v, model_path: str, port: int, routing_replay: bool, seed: int = 0,
+def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int = 0,
                  original_logprob: bool = False) -> list[str]:
     """`python -m vllm.entrypoints.cli.main serve` argv of one server from a `VLLMConfig` (vLLM 0.33.0 flags).
     No key here: the server reads $VLLM_API_KEY (vllm_env)."""
@@ -360,7 +360,7 @@ def vllm_command(v, model_path: str, port: int, routing_replay: bool, seed: int 
         argv.append("--enable-expert-parallel")
     if v.enable_sleep_mode:
         argv.append("--enable-sleep-mode")
-    if routing_replay:
+    if routed_experts:
         argv.append("--enable-return-routed-experts")
     if v.max_model_len:
         argv += ["--max-model-len", str(v.max_model_len)]
@@ -376,7 +376,8 @@ def vllm_env(key_env: str, base: Optional[dict] = None) -> dict:
     return env
 
 
-def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None) -> list[ServerProcess]:
+def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None,
+                        routed_experts: bool = False) -> list[ServerProcess]:
     """Start `rollout.num_engines` vLLM servers on this host (each on its own GPUs) and wait until each is healthy."""
     v = cfg.rollout.vllm
     model_path = model_path or v.model_path or cfg.model.checkpoint
@@ -391,7 +392,7 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
             visible = env.get("CUDA_VISIBLE_DEVICES")
             ids = visible.split(",") if visible else [str(g) for g in range(gpus * cfg.rollout.num_engines)]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i * gpus:(i + 1) * gpus])  # vLLM has no --base-gpu-id
-            argv = vllm_command(v, model_path, port, cfg.grpo.routing_replay, seed=cfg.model.seed + i,
+            argv = vllm_command(v, model_path, port, routed_experts, seed=cfg.model.seed + i,
                                 original_logprob=cfg.rollout.return_original_logprob)
             servers.append(ServerProcess(argv, Path(output_dir) / v.log_dir / f"server_{i}.log", env))
         for i, server in enumerate(servers):

@@ -76,13 +76,13 @@ class RolloutDriver:
         self.loop = asyncio.new_event_loop()
         self.encoder = build_encoder(cfg)
         self.tool = SearchTool.from_config(cfg.search)
-        settings = AgentSettings.for_training(cfg)
+        settings = AgentSettings.for_training(cfg.rollout, cfg.grpo.wants_routed_experts())
         self.rollout_engines = engines  # rollout.launch.RolloutEngines
         self.engines = list(engines.clients)
         self.health = EngineHealth(engines, cfg.rollout.health)
         self.agents = [SearchAgent(e, self.encoder, self.tool, settings) for e in engines.for_generation()]
         self.reference = None if reference is None else SearchAgent(
-            reference, self.encoder, self.tool, AgentSettings.for_training(cfg))
+            reference, self.encoder, self.tool, AgentSettings.for_training(cfg.rollout))  # answers only
         # agent i runs on engine i; behind sglang-router (one agent) the router places requests itself
         engine_of = list(range(len(self.agents))) if engines.router is None else [None]
         extra = [] if self.reference is None else [self.reference]

@@ -68,7 +68,8 @@ class GRPORun:
         self.is_driver = dist.get_rank() == 0
         # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is
         # the token-IS loss on the main head; the MTP layer is frozen, still loaded and synced (the engine's draft).
-        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False)
+        self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False,
+                               routing_replay=cfg.grpo.routing_replay)
         self.dp = size_of(ctx.groups.dp)
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
@@ -95,7 +96,8 @@ class GRPORun:
 
     def _build_driver(self, extra: dict) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        engines = start_engines(self.cfg, self.out / "engines")
+        engines = start_engines(self.cfg, self.out / "engines",
+                                routed_experts=self.cfg.grpo.wants_routed_experts())
         source = self.cfg.reference_source()
         if source == "urls":
             reference = SGLangClient(self.cfg.grpo.reference_urls[0])
@@ -325,7 +327,7 @@ class GRPORun:
         pad_id = self.driver.encoder.tokenizer.pad_id
         batch = pack_rollouts([col.rollouts[i] for i in keep], adv[keep].tolist(), pad_id=pad_id,
                               pad_multiple=cfg.parallel.sequence_multiple,
-                              with_routed_experts=cfg.grpo.routing_replay or cfg.grpo.routing_agreement)
+                              with_routed_experts=cfg.grpo.wants_routed_experts())
         padding = -len(keep) % unit
         m["train/padding_rollouts"] = float(padding)
         return batch.pad_rows(padding, pad_id=pad_id)
