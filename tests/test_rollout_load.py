@@ -30,7 +30,8 @@ from megatron_search.rollout.chat_format import ChatFormat
 from megatron_search.rollout.engine import EngineError, MalformedReply
 from megatron_search.rollout.failures import FAILURE_KINDS, RolloutFailed, failure_counts
 from megatron_search.rollout.scripted import ScriptedEngine
-from megatron_search.rollout.sglang import SGLangClient, launch_local_server
+from megatron_search.rollout.sglang import SGLangClient
+from megatron_search.rollout.local_launch import launch_local_server
 from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder, QwenTokenizer
 from megatron_search.rollout.types import GenerateRequest, Rollout, SamplingParams
 from megatron_search.search.base import SearchBackend, SearchResult

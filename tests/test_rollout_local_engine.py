@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from megatron_search.rollout.engine import EngineError
 from megatron_search.rollout.local import LocalEngine
 from megatron_search.rollout.local_runner import load_hf_model
-from megatron_search.rollout.local_weights import WeightUpdateError
+from megatron_search.rollout.tensor_payload import WeightUpdateError
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
 
 MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from megatron_search.config import load_config
 from megatron_search.rollout.engine import EngineError, decode_routed_experts, encode_routed_experts
-from megatron_search.rollout.sglang import SGLangClient, ServerProcess, sglang_command
+from megatron_search.rollout.sglang import SGLangClient, sglang_command
+from megatron_search.rollout.process import ServerProcess
 from megatron_search.rollout.types import GenerateRequest, SamplingParams
 
 

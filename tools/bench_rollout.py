@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent  # noqa: E402
 from megatron_search.rollout.chat_format import ChatFormat  # noqa: E402
 from megatron_search.rollout.local_runner import load_hf_model  # noqa: E402
-from megatron_search.rollout.sglang import SGLangClient, launch_local_server  # noqa: E402
+from megatron_search.rollout.sglang import SGLangClient  # noqa: E402
+from megatron_search.rollout.local_launch import launch_local_server
 from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder  # noqa: E402
 from megatron_search.search.base import SearchBackend, SearchResult  # noqa: E402
 from megatron_search.search.tool import SearchTool  # noqa: E402

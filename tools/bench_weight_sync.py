@@ -249,7 +249,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tp == 1 and not args.grpo_only:
         ap.error("--tp 1 measures the GRPO path only: pass --grpo-only")
-    from megatron_search.rollout.sglang import launch_local_server
+    from megatron_search.rollout.local_launch import launch_local_server
     from megatron_search.weights.launch import run_ranks
 
     buckets = [int(x) for x in args.buckets_mb.split(",")]

@@ -233,7 +233,8 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
     from megatron_search.rollout.auth import bearer_header, key_from_env
     from megatron_search.rollout.local_runner import load_hf_model
     from megatron_search.rollout.local_weights import load_named_tensors, weights_sha256
-    from megatron_search.rollout.sglang import SGLangClient, launch_local_server
+    from megatron_search.rollout.sglang import SGLangClient
+    from megatron_search.rollout.local_launch import launch_local_server
     from megatron_search.rollout.types import GenerateRequest, SamplingParams
     from megatron_search.weights.checkpoint import load_mcore_checkpoint
     from megatron_search.weights.delivery import WeightSync
@@ -295,7 +296,7 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
 
 def _grpo(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict:
     from megatron_search.config import load_config
-    from megatron_search.rollout.sglang import launch_local_server
+    from megatron_search.rollout.local_launch import launch_local_server
     from megatron_search.train.grpo import run_grpo
 
     server = launch_local_server(None, _engine_args(arch, inputs), d / "engine.log", timeout_s=300, device=device)

@@ -147,7 +147,7 @@ def make_launch_plan(
                     plan.engines.append(Engine(node, port, argv, serves=rank == 0))
         else:
             # start-up: rollout clients, +0.11 s on launch-plan
-            from megatron_search.rollout.sglang import ENGINE_PORT_STRIDE
+            from megatron_search.rollout.process import ENGINE_PORT_STRIDE
 
             per_node_engines = per_node // gpus_per_engine
             for n, node in enumerate(serve_nodes):  # engines sharing a node: disjoint GPUs and port ranges
@@ -166,7 +166,7 @@ def make_launch_plan(
 def _plan_vllm(plan: LaunchPlan, cfg: Config, serve_nodes: list[str]) -> None:
     """vLLM engines: each within one node (TP x DP GPUs), engines sharing a node on disjoint GPUs and ports."""
     # start-up: rollout clients (aiohttp, safetensors: +0.11 s on launch-plan), only for plans with engines
-    from megatron_search.rollout.sglang import ENGINE_PORT_STRIDE
+    from megatron_search.rollout.process import ENGINE_PORT_STRIDE
 
     v, per_node = cfg.rollout.vllm, cfg.cluster.gpus_per_node
     gpus = v.tp * v.dp

@@ -19,6 +19,8 @@ from .types import GenerateRequest, GenerateResult
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["weights", "kv_cache"]
 
+LOCAL_ENGINE_NAME = "megatron-search-local-cpu"  # `engine` field of the local server's /get_model_info
+
 
 class EngineError(RuntimeError):
     """The engine refused or failed a request; the message says which endpoint and why."""

@@ -21,7 +21,9 @@ from typing import Optional
 from megatron_search.config import dump_config
 
 from .auth import job_key, key_from_env, use_key_env
-from .sglang import SGLangClient, ServerProcess, launch_local_server, launch_router, launch_sglang_servers
+from megatron_search.rollout.sglang import SGLangClient, launch_router, launch_sglang_servers
+from megatron_search.rollout.process import ServerProcess
+from megatron_search.rollout.local_launch import launch_local_server
 from .vllm import VLLMClient, launch_vllm_servers
 
 

@@ -38,8 +38,9 @@ from .engine import EngineError, encode_routed_experts
 from .http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
 from .local import LocalEngine
 from .local_vllm import add_vllm_routes, require_vllm_key
-from .local_weights import LOCAL_TENSOR_FORMAT, WeightUpdateError, check_dtypes, deserialize_named_tensors
-from .sglang import LOCAL_ENGINE_NAME
+from megatron_search.rollout.tensor_payload import LOCAL_TENSOR_FORMAT, WeightUpdateError, deserialize_named_tensors
+from megatron_search.rollout.local_weights import check_dtypes
+from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
 from .types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)

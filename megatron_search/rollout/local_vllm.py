@@ -27,8 +27,9 @@ from aiohttp import web
 from .engine import EngineError
 from .http_input import BadRequest, check_value, field, list_field, read_json
 from .local import LocalEngine
-from .local_weights import WeightUpdateError, load_named_tensors, read_safetensors_dir
-from .sglang import LOCAL_ENGINE_NAME
+from megatron_search.rollout.tensor_payload import WeightUpdateError
+from megatron_search.rollout.local_weights import load_named_tensors, read_safetensors_dir
+from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
 from .types import GenerateRequest, SamplingParams
 from .vllm import GENERATE_ROUTE, encode_npy_experts
 

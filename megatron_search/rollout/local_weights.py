@@ -11,8 +11,6 @@ parameter's dtype): no converted or cloned temporaries.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import re
 from pathlib import Path
@@ -20,14 +18,13 @@ from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, save
+
+from .tensor_payload import WeightUpdateError
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 SKIPPED_PREFIXES = ("mtp.",)
 
 
-class WeightUpdateError(ValueError):
-    """A tensor name, shape or file does not fit the served model."""
 
 
 def _target(params: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, tuple]:
@@ -135,31 +132,3 @@ def check_dtypes(dtypes: Sequence[str]) -> list[torch.dtype]:
             raise WeightUpdateError(f"unknown dtype {d!r}")
         out.append(dt)
     return out
-
-
-# --- wire format of /update_weights_from_tensor on the local server ---------------------------
-# SGLang's own payload is a pickled, process-local (CUDA IPC) handle: meaningless across hosts and
-# unsafe to unpickle from a socket. The local server takes, per TP rank (it has one), the base64 of
-# a safetensors blob of the named tensors: portable, typed, and parsed without executing code.
-LOCAL_TENSOR_FORMAT = "safetensors_base64"
-
-
-def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """base64(safetensors) of the named tensors, the local server's `serialized_named_tensors` item."""
-    tensors = {}
-    for name, t in named:
-        if name in tensors:
-            raise WeightUpdateError(f"serialize_named_tensors: duplicate name {name}")
-        tensors[name] = t.detach().to("cpu").contiguous().clone()
-    return base64.b64encode(save(tensors)).decode("ascii")
-
-
-def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `serialize_named_tensors`; a clear error for anything else."""
-    try:
-        raw = base64.b64decode(data.encode("ascii"), validate=True)
-        return list(load(raw).items())
-    except (binascii.Error, ValueError, UnicodeEncodeError) as e:
-        raise WeightUpdateError(f"serialized_named_tensors: not base64 safetensors ({type(e).__name__}: {e})") from None
-    except Exception as e:  # safetensors raises its own error type on a corrupt header
-        raise WeightUpdateError(f"serialized_named_tensors: unreadable safetensors blob ({e})") from None

@@ -11,7 +11,7 @@ the fed token and its position, so alignment can be checked exactly:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 

@@ -4,7 +4,7 @@
 server alike (same paths and fields; only the `/update_weights_from_tensor` payload differs:
 SGLang takes its in-process serializer's string, the local server base64 safetensors;
 `tensor_format="auto"` asks the server which it is). Routed experts need (MoE layers, top_k):
-pass `moe_shape` for SGLang servers (the local server reports it). `ServerProcess` owns one server subprocess with its own log file;
+pass `moe_shape` for SGLang servers (the local server reports it). Servers run as `process.ServerProcess`;
 `sglang_command` builds the launch line from the config; `launch_router` fronts several servers
 with sglang-router.
 
@@ -19,25 +19,20 @@ import asyncio
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import aiohttp
 
-from .auth import bearer_header, check_key, client_key_env, job_key, key_from_env
-from .engine import (Engine, EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo,
-                     PauseMode, decode_routed_experts)
-from .local_weights import LOCAL_TENSOR_FORMAT, serialize_named_tensors
+from .auth import bearer_header, client_key_env, job_key, key_from_env
+from .engine import (LOCAL_ENGINE_NAME, Engine, EngineError, EngineTimeout, EngineUnreachable, MalformedReply,
+                     MemoryTag, ModelInfo, PauseMode, decode_routed_experts)
+from .process import ENGINE_PORT_STRIDE, ServerProcess
+from .tensor_payload import LOCAL_TENSOR_FORMAT, serialize_named_tensors
 from .types import FinishReason, GenerateRequest, GenerateResult
 
 TensorFormat = Literal["auto", "safetensors_base64", "sglang"]
-LOCAL_ENGINE_NAME = "megatron-search-local-cpu"  # `engine` field of the local server's /get_model_info
 
 
 class SGLangClient(Engine):
@@ -328,86 +323,6 @@ def _output_logprobs(where: str, rows: Any, output_ids: list[int]) -> list[float
     return logprobs
 
 
-# --- processes ------------------------------------------------------------------------------------
-
-class ServerProcess:
-    """One server subprocess (own process group, own log file) and its base URL."""
-
-    def __init__(self, argv: list[str], log_path: str | Path, env: Optional[dict] = None):
-        self.argv = argv
-        self.env = env
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.url: Optional[str] = None
-        self._start()
-
-    def _start(self) -> None:
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-
-    def restart(self, timeout_s: float) -> str:
-        """Kill what is left of the server (its whole process group: SGLang's scheduler processes too) and run the
-        same command again, appending to the same log; wait until it is healthy at the same URL."""
-        if self.url is None:
-            raise EngineError(f"server (log {self.log_path}) never became healthy: there is no URL to restart it at")
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
-        self._start()
-        return self.wait_healthy(self.url, timeout_s)
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_healthy(self, url: str, timeout_s: float, poll_s: float = 0.5) -> str:
-        """Poll GET {url}/health until 200; raise with the log tail if the process dies or time runs out.
-        (SGLang leaves /health open under --api-key; the key, when the environment has one, goes along
-        for servers that guard it, such as sglang-router.)"""
-        deadline = time.monotonic() + timeout_s
-        probe = urllib.request.Request(f"{url}/health", headers=bearer_header(key_from_env()))
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(f"server exited with code {self.proc.returncode} before becoming healthy "
-                                  f"(log {self.log_path}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(probe, timeout=5) as r:
-                    if r.status == 200:
-                        self.url = url
-                        return url
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(poll_s)
-        self.stop()
-        raise EngineError(f"server at {url} not healthy after {timeout_s:.0f} s (log {self.log_path}):\n{self.log_tail()}")
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's process group (ours: start_new_session), SIGKILL after `grace_s`."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        self._log.close()
-
-    def __enter__(self) -> "ServerProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-ENGINE_PORT_STRIDE = 10  # an SGLang server takes a few ports after its HTTP one
 
 
 def sglang_command(
@@ -491,38 +406,3 @@ def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: st
     router = ServerProcess(argv, log_path, env)
     router.wait_healthy(f"http://{host}:{port}", timeout_s)
     return router
-
-
-def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
-                        timeout_s: float = 120.0, tokenizer: Optional[str] = None, env: Optional[dict] = None,
-                        host: str = "127.0.0.1", device: Optional[str] = None, api_key: Optional[str] = None,
-                        api_key_env: Optional[str] = None, routed_experts: bool = False) -> ServerProcess:
-    """Start the local engine server on `host` (free port; model on `device`, default CPU) and wait until it is healthy.
-
-    It requires `api_key` (default: this job's key, `auth.job_key`), handed over in the environment variable
-    `api_key_env` (default `auth.client_key_env()`, so clients of this process find it)."""
-    port_file = Path(str(log_path) + ".port")
-    port_file.unlink(missing_ok=True)
-    key_env = api_key_env or client_key_env()
-    env = dict(os.environ if env is None else env)
-    env[key_env] = check_key(api_key, "launch_local_server(api_key=...)") if api_key else job_key(key_env)
-    argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
-    argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file),
-                                                              "--api-key-env", key_env]
-    if tokenizer:
-        argv += ["--tokenizer", tokenizer]
-    if device:
-        argv += ["--device", device]
-    if routed_experts:
-        argv.append("--enable-return-routed-experts")  # as SGLang's and vLLM's flag
-    server = ServerProcess(argv, log_path, env)
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if server.proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise EngineError(f"local engine server did not start (log {log_path}):\n{server.log_tail()}")
-        time.sleep(0.1)
-    port = int(port_file.read_text())
-    server.argv[server.argv.index("--port") + 1] = str(port)  # a restart (ServerProcess.restart) keeps the URL
-    server.wait_healthy(f"http://{host}:{port}", max(1.0, deadline - time.monotonic()))
-    return server

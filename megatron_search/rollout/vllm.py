@@ -46,7 +46,9 @@ from megatron_search.config.rollout import VLLM_VERSION  # noqa: F401 (re-export
 
 from .auth import job_key
 from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode
-from .sglang import ENGINE_PORT_STRIDE, LOCAL_ENGINE_NAME, SGLangClient, ServerProcess
+from megatron_search.rollout.process import ENGINE_PORT_STRIDE, ServerProcess
+from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
+from megatron_search.rollout.sglang import SGLangClient
 from .types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 GENERATE_ROUTE = "/inference/v1/generate"
