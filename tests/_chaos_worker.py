@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def engine_digest(url: str) -> dict:
-    from megatron_search.rollout.auth import bearer_header, key_from_env
+    from megatron_search.rollout.engine.auth import bearer_header, key_from_env
 
     req = urllib.request.Request(f"{url}/local/weights_sha256", headers=bearer_header(key_from_env()))
     with urllib.request.urlopen(req, timeout=120) as r:
@@ -24,8 +24,8 @@ def engine_digest(url: str) -> dict:
 
 def trainer_digest(run) -> dict:
     """sha256 per parameter of the trainer's HF export (one process: the whole model is here)."""
-    from megatron_search.rollout.local_runner import load_hf_model
-    from megatron_search.rollout.local_weights import load_named_tensors, weights_sha256
+    from megatron_search.rollout.local.runner import load_hf_model
+    from megatron_search.rollout.local.weights import load_named_tensors, weights_sha256
     from megatron_search.weights.export import export_hf_weights
 
     model = load_hf_model(str(run.cfg.model.resolved_hf_config()), seed=4321)

@@ -13,8 +13,8 @@ def build(root: Path) -> dict[str, str]:
     from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples
     from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.world import build_world
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.search.local import build_index
     from megatron_search.search.tool import SearchTool
 

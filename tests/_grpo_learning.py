@@ -41,8 +41,8 @@ def build(root: Path, n_train: int = 48, n_test: int = 48, seed: int = 0) -> dic
     """QA JSONL (train + held-out test names), the two SFT answer files, a small search index, a BPE, a model config."""
     from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.sft import SYSTEM_PROMPT
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.search.local import build_index
     from megatron_search.search.tool import SearchTool
 
@@ -149,8 +149,8 @@ def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 4, seed: int = 0,
 
     from megatron_search.config import load_config
     from megatron_search.data.mix import MixItem
-    from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
-    from megatron_search.rollout.local import LocalEngine
+    from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
+    from megatron_search.rollout.local.engine import LocalEngine
     from megatron_search.search.tool import SearchTool
     from megatron_search.train.grpo_data import with_system_prompt
     from megatron_search.train.grpo_driver import build_encoder

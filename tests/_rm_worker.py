@@ -14,8 +14,8 @@ import torch
 
 
 def _tokenizer(pairs, out: Path) -> str:
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
 
     fmt = ChatFormat("qwen3")
     texts = [fmt.render(p.messages + [{"role": "assistant", "content": y}]) for p in pairs

@@ -34,8 +34,8 @@ def write_dataset(path: Path, indices) -> Path:
 
 
 def train_tokenizer(out_dir: Path) -> Path:
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
 
     fmt = ChatFormat("qwen3")
     texts = [fmt.render(c["messages"], c["tools"]) for c in (conversation(i) for i in range(16))]

@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 
 async def _capture_server(seen: list):
-    from megatron_search.rollout.engine import encode_routed_experts
+    from megatron_search.rollout.engine.base import encode_routed_experts
 
     async def any_post(request: web.Request):
         body = await request.json() if request.can_read_body else None
@@ -69,8 +69,8 @@ async def _capture_server(seen: list):
 
 
 async def _drive(named):
-    from megatron_search.rollout.sglang import SGLangClient
-    from megatron_search.rollout.types import GenerateRequest, SamplingParams
+    from megatron_search.rollout.sglang.client import SGLangClient
+    from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
     seen: list = []
     runner, url = await _capture_server(seen)
@@ -194,7 +194,7 @@ def _engine_side(port: int, q) -> None:
 
 
 def check_rendezvous() -> dict:
-    from megatron_search.rollout.weight_group import broadcast, open_weight_group
+    from megatron_search.rollout.sglang.weight_group import broadcast, open_weight_group
 
     port = _free_port()
     ctx = mp.get_context("spawn")
@@ -247,7 +247,7 @@ def check_auth() -> dict:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
-    from megatron_search.rollout.auth import request_allowed
+    from megatron_search.rollout.engine.auth import request_allowed
 
     key = "k3y-0123456789-abcdef"
     sglang_levels = _sglang_route_levels()

@@ -37,8 +37,8 @@ def _cfg(arch_dir: str, tp: int, pp: int, ep: int):
 
 def _reference_sha(chunks, arch, groups, arch_dir: str, bucket_bytes: int):
     """Rank 0: sha256 per parameter of a differently seeded HF model loaded from the funnel export."""
-    from megatron_search.rollout.local_runner import load_hf_model
-    from megatron_search.rollout.local_weights import load_named_tensors, weights_sha256
+    from megatron_search.rollout.local.runner import load_hf_model
+    from megatron_search.rollout.local.weights import load_named_tensors, weights_sha256
     from megatron_search.weights.export import export_hf_weights
 
     model = load_hf_model(arch_dir, seed=12345) if dist.get_rank() == 0 else None
@@ -49,7 +49,7 @@ def _reference_sha(chunks, arch, groups, arch_dir: str, bucket_bytes: int):
 
 
 def _engine_sha(url: str) -> dict:
-    from megatron_search.rollout.auth import bearer_header, key_from_env
+    from megatron_search.rollout.engine.auth import bearer_header, key_from_env
 
     req = urllib.request.Request(f"{url}/local/weights_sha256", headers=bearer_header(key_from_env()))
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -59,7 +59,7 @@ def _engine_sha(url: str) -> dict:
 def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
     from megatron_search.distributed.init import init_distributed
     from megatron_search.models.provider import build_model
-    from megatron_search.rollout.sglang import SGLangClient
+    from megatron_search.rollout.sglang.client import SGLangClient
     from megatron_search.weights.delivery import WeightSync
 
     torch.set_num_threads(1)

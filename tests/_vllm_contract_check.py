@@ -20,9 +20,9 @@ from vllm.outputs import WeightVersionSpan  # noqa: E402
 from vllm.sampling_params import SamplingParams as VSamplingParams  # noqa: E402
 from vllm.utils.serial_utils import numpy2base64  # noqa: E402
 
-from megatron_search.rollout.local_vllm import parse_vllm_generate, vllm_request_allowed  # noqa: E402
-from megatron_search.rollout.types import GenerateRequest as OurRequest, SamplingParams  # noqa: E402
-from megatron_search.rollout.vllm import VLLMClient  # noqa: E402
+from megatron_search.rollout.local.vllm_api import parse_vllm_generate, vllm_request_allowed  # noqa: E402
+from megatron_search.rollout.engine.types import GenerateRequest as OurRequest, SamplingParams  # noqa: E402
+from megatron_search.rollout.vllm.client import VLLMClient  # noqa: E402
 
 problems: list[str] = []
 checked: set[str] = set()
@@ -150,8 +150,8 @@ def check_response_parsing(client: VLLMClient) -> None:
 
 def check_local_response() -> None:
     """The local server's answer body validates as vLLM's GenerateTokensResponse."""
-    from megatron_search.rollout.local_vllm import vllm_generate_response
-    from megatron_search.rollout.types import FinishReason, GenerateResult
+    from megatron_search.rollout.local.vllm_api import vllm_generate_response
+    from megatron_search.rollout.engine.types import FinishReason, GenerateResult
 
     req = OurRequest([1, 2], SamplingParams(max_new_tokens=2, stop_token_ids=(5,)))
     res = GenerateResult([4, 5], [-0.1, -0.2], FinishReason("stop", matched=5), "v7", 2, 1,

@@ -114,8 +114,8 @@ def _delivery_and_replay(ctx, chunks, arch, arch_dir: str, prompt: list[int], wo
     out: dict = {}
     engine = loop = None
     if rank0:
-        from megatron_search.rollout.local import LocalEngine
-        from megatron_search.rollout.types import GenerateRequest, SamplingParams
+        from megatron_search.rollout.local.engine import LocalEngine
+        from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
         engine = LocalEngine(arch_dir)
         loop = asyncio.new_event_loop()

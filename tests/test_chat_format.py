@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from megatron_search.rollout.chat_format import ChatFormat, budget_instruction, parse_tool_calls
+from megatron_search.chat.format import ChatFormat, budget_instruction, parse_tool_calls
 from megatron_search.search import SearchBackend, SearchResult, SearchTool
 
 TOOL = {"type": "function", "function": {"name": "search_web", "description": "Search the web.",

@@ -6,8 +6,8 @@ import unicodedata
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.tokenizer import ChatEncoder, QwenTokenizer
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
 from megatron_search.search import SearchBackend, SearchResult, SearchTool
 
 QUERIES = ["The Mom Test author", 'quote "inside" and \\ backslash', "数字 2005 年 Ångström", "two\nlines"]

@@ -1,5 +1,5 @@
 """The rubric pipeline end to end against an OpenAI-compatible server started in the test: the
-local CPU engine serving the tiny Qwen3-MoE over /v1/chat/completions (rollout/chat_endpoint.py).
+local CPU engine serving the tiny Qwen3-MoE over /v1/chat/completions (rollout/local/chat_endpoint.py).
 
 What a random tiny model writes is noise, so this exercises the protocol, not the quality: four
 real policy samples per prompt over HTTP, mechanical grading, the pass@4 decision, a generator
@@ -17,11 +17,11 @@ from megatron_search.data.rubric_checks import check_rubric
 from megatron_search.data.rubric_demo import demo_rubric_rows
 from megatron_search.data.rubrics import RubricItem, RubricPipeline, calibration_keep, item_from_row
 from megatron_search.data.world import build_world
-from megatron_search.rollout.chat_endpoint import ChatEndpoint
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.local import LocalEngine
-from megatron_search.rollout.local_server import build_app
-from megatron_search.rollout.tokenizer import BPETokenizer
+from megatron_search.rollout.local.chat_endpoint import ChatEndpoint
+from megatron_search.chat.format import ChatFormat
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.server import build_app
+from megatron_search.chat.tokenizer import BPETokenizer
 
 MODEL = "configs/models/tiny_qwen3_moe"
 

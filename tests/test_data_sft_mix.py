@@ -11,7 +11,7 @@ from megatron_search.data.mix import MixItem, MixSampler
 from megatron_search.data.records import QARecord
 from megatron_search.data.sft import SFTBuilder
 from megatron_search.data.world import build_world
-from megatron_search.rollout.chat_format import ChatFormat
+from megatron_search.chat.format import ChatFormat
 from megatron_search.search.local import LocalSearchBackend
 from megatron_search.search.tool import SearchTool, format_results
 

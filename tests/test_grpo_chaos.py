@@ -90,7 +90,7 @@ class Killer(threading.Thread):
         import urllib.error
         import urllib.request
 
-        from megatron_search.rollout.auth import bearer_header, key_from_env
+        from megatron_search.rollout.engine.auth import bearer_header, key_from_env
 
         req = urllib.request.Request(f"{url}/local/memory", headers=bearer_header(key_from_env()))
         try:
@@ -108,7 +108,7 @@ class Killer(threading.Thread):
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"megatron_search.rollout.local_server" in argv and mark in argv:
+            if b"megatron_search.rollout.local.server" in argv and mark in argv:
                 return int(proc.name)
         raise RuntimeError(f"no local engine server process with {self.port_file}")
 

@@ -61,13 +61,13 @@ def test_bad_split_is_refused():
 @pytest.mark.multiprocess
 def test_sbatch_script_dry_run_without_slurm():
     """The dry run shows the engines' API key passing through the environment ($MEGATRON_SEARCH_ENGINE_KEY, read by
-    rollout/sglang_serve.py), never on a command line: a key set in the environment appears nowhere in it."""
+    rollout/sglang/serve.py), never on a command line: a key set in the environment appears nowhere in it."""
     key = secrets.token_urlsafe(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
     env["MEGATRON_SEARCH_ENGINE_KEY"] = key
     out = subprocess.run(["bash", "slurm/grpo_397b.sh", "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    engine = "[node032] python -m megatron_search.rollout.sglang_serve --api-key-env MEGATRON_SEARCH_ENGINE_KEY --model-path"
+    engine = "[node032] python -m megatron_search.rollout.sglang.serve --api-key-env MEGATRON_SEARCH_ENGINE_KEY --model-path"
     assert "world 256" in out.stdout and engine in out.stdout
     assert "engine API key: $MEGATRON_SEARCH_ENGINE_KEY in the environment" in out.stdout
     assert "FITS" in out.stdout
@@ -78,7 +78,7 @@ def test_plan_names_the_key_variable_and_no_argv_holds_a_key():
     from megatron_search.launch.slurm_plan import to_shell
 
     p = plan_for(["rollout.api_key_env=MY_ENGINE_KEY"], "n[1-2]")
-    assert all(e.argv[1:5] == ["-m", "megatron_search.rollout.sglang_serve", "--api-key-env", "MY_ENGINE_KEY"]
+    assert all(e.argv[1:5] == ["-m", "megatron_search.rollout.sglang.serve", "--api-key-env", "MY_ENGINE_KEY"]
                and "--api-key" not in e.argv for e in p.engines)
     assert "MS_ENGINE_KEY_ENV=MY_ENGINE_KEY" in to_shell(p).splitlines()
 

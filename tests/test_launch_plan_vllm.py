@@ -25,7 +25,7 @@ def test_vllm_engines_per_node_on_disjoint_gpus():
     assert p.engine_urls() == ["http://n1:30000", "http://n1:30010", "http://n2:30000", "http://n2:30010"]
     for i, e in enumerate(p.engines):
         a = e.argv
-        assert a[:5] == ["python", "-m", "megatron_search.rollout.vllm", "--api-key-env", "MEGATRON_SEARCH_ENGINE_KEY"]
+        assert a[:5] == ["python", "-m", "megatron_search.rollout.vllm.client", "--api-key-env", "MEGATRON_SEARCH_ENGINE_KEY"]
         assert a[a.index("--gpus") + 1] == ("0,1,2,3" if i % 2 == 0 else "4,5,6,7")
         assert a[a.index("--") + 1:a.index("--") + 4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
         assert a[a.index("--host") + 1] == "0.0.0.0" and a[a.index("--port") + 1] == str(e.port)
@@ -46,11 +46,11 @@ def test_vllm_disaggregated_and_refusals():
 
 @pytest.mark.multiprocess
 def test_vllm_serve_wrapper_puts_the_key_in_the_environment(tmp_path):
-    """rollout/vllm.py's main execs the given python args with VLLM_API_KEY from the named variable."""
+    """rollout/vllm/client.py's main execs the given python args with VLLM_API_KEY from the named variable."""
     key = secrets.token_urlsafe(32)
     probe = "import os; print(os.environ['VLLM_API_KEY'] == os.environ['K'], os.environ['VLLM_SERVER_DEV_MODE'], " \
             "os.environ['CUDA_VISIBLE_DEVICES'])"
-    out = subprocess.run([sys.executable, "-m", "megatron_search.rollout.vllm", "--api-key-env", "K", "--gpus", "2,3",
+    out = subprocess.run([sys.executable, "-m", "megatron_search.rollout.vllm.client", "--api-key-env", "K", "--gpus", "2,3",
                           "--", "-c", probe], capture_output=True, text=True, env={**os.environ, "K": key}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1", "2,3"] and key not in out.stderr
@@ -65,6 +65,6 @@ def test_sbatch_dry_run_shows_vllm_servers():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "vLLM engines: 64 (64 server processes" in out.stdout
-    assert "[node032] python -m megatron_search.rollout.vllm --api-key-env MEGATRON_SEARCH_ENGINE_KEY --gpus 4,5,6,7" \
+    assert "[node032] python -m megatron_search.rollout.vllm.client --api-key-env MEGATRON_SEARCH_ENGINE_KEY --gpus 4,5,6,7" \
         in out.stdout
     assert key not in out.stdout + out.stderr

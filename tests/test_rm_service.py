@@ -44,10 +44,10 @@ def test_service_forwards_batches_and_checks_input():
 
 
 def test_reference_answers_from_the_agent_once_per_prompt(tmp_path):
-    from megatron_search.rollout.agent import AgentSettings, SearchAgent
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.scripted import ScriptedEngine
-    from megatron_search.rollout.tokenizer import ChatEncoder, QwenTokenizer
+    from megatron_search.rollout.agent.loop import AgentSettings, SearchAgent
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.rollout.local.scripted import ScriptedEngine
+    from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
     from megatron_search.search.base import SearchBackend
     from megatron_search.search.tool import SearchTool
 

@@ -1,4 +1,4 @@
-"""Engine API keys (rollout/auth.py): SGLang 0.5.23's --api-key rule written out as a table, key checks,
+"""Engine API keys (rollout/engine/auth.py): SGLang 0.5.23's --api-key rule written out as a table, key checks,
 the per-job key, and rank 0's key reaching every training rank (distributed.init.share_engine_key).
 
 The table is SGLang's srt/utils/auth.py decide_request_auth for a server with an API key and no admin
@@ -10,7 +10,7 @@ import secrets
 
 import pytest
 
-from megatron_search.rollout import auth
+from megatron_search.rollout.engine import auth
 
 KEY = "0123456789abcdef-KEY"
 

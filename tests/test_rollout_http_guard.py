@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from megatron_search.rollout.engine import EngineError
-from megatron_search.rollout.local_runner import load_hf_model
-from megatron_search.rollout.sglang import SGLangClient
-from megatron_search.rollout.local_launch import launch_local_server
-from megatron_search.rollout.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.local.runner import load_hf_model
+from megatron_search.rollout.sglang.client import SGLangClient
+from megatron_search.rollout.local.launch import launch_local_server
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.multiprocess
 

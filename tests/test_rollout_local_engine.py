@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_search.rollout.engine import EngineError
-from megatron_search.rollout.local import LocalEngine
-from megatron_search.rollout.local_runner import load_hf_model
-from megatron_search.rollout.tensor_payload import WeightUpdateError
-from megatron_search.rollout.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.runner import load_hf_model
+from megatron_search.rollout.engine.tensor_payload import WeightUpdateError
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}
 
@@ -230,7 +230,7 @@ def test_shared_head_reused_at_block_boundary(engine):
 def test_top_p_keeps_the_nucleus_only():
     from types import SimpleNamespace
 
-    from megatron_search.rollout.local import sample_tokens
+    from megatron_search.rollout.local.engine import sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     a = SimpleNamespace(req=SimpleNamespace(sampling=SamplingParams(temperature=1.0, top_p=0.6)),
@@ -355,7 +355,7 @@ def test_release_when_busy_and_resume_of_an_unreleased_tag_are_refused():
 def test_device_is_where_the_model_lives_and_sampling_stays_on_the_host(capsys):
     """The engine's model, cache rows and fed ids sit on `device` (CPU here); logits come back to the host,
     where the per-request CPU generators sample. A server asked for CUDA without a GPU says so and exits 2."""
-    from megatron_search.rollout.local_server import main as serve
+    from megatron_search.rollout.local.server import main as serve
 
     eng = LocalEngine(MODELS["qwen3_5_moe"], seed=0, device="cpu")
     assert eng.device == eng.runner.device == torch.device("cpu")

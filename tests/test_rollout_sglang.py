@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 
 from megatron_search.config import load_config
-from megatron_search.rollout.engine import EngineError, decode_routed_experts, encode_routed_experts
-from megatron_search.rollout.sglang import SGLangClient, sglang_command
-from megatron_search.rollout.process import ServerProcess
-from megatron_search.rollout.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.engine.base import EngineError, decode_routed_experts, encode_routed_experts
+from megatron_search.rollout.sglang.client import SGLangClient, sglang_command
+from megatron_search.rollout.engine.process import ServerProcess
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 
 def test_launch_line_carries_the_flags_this_project_needs():
@@ -131,7 +131,7 @@ def test_colocated_sglang_without_memory_saver_is_refused():
 def test_client_sends_the_key_on_every_request_and_never_shows_it(monkeypatch):
     """An explicit key, the one in the variable use_key_env names, or none: the Authorization header of every
     request (GET and POST) says which, and neither repr nor a refusal message holds the key."""
-    from megatron_search.rollout import auth
+    from megatron_search.rollout.engine import auth
 
     headers = []
 
@@ -212,14 +212,14 @@ if __name__ == "__main__":
 
 @pytest.mark.multiprocess
 def test_sglang_gets_the_key_from_the_environment_not_argv_and_logs_never_show_it(tmp_path, monkeypatch):
-    """launch_sglang_servers through rollout/sglang_serve.py with a stand-in SGLang main: the key (generated for
+    """launch_sglang_servers through rollout/sglang/serve.py with a stand-in SGLang main: the key (generated for
     the job, the variable being unset) reaches SGLang's parser as --api-key in memory; it is on no process's
     command line, left in no worker's environment, and every copy SGLang's logging would print is redacted,
     also when written in pieces and from a spawned worker."""
     import json
     import socket
 
-    from megatron_search.rollout.sglang import launch_sglang_servers
+    from megatron_search.rollout.sglang.client import launch_sglang_servers
 
     pkg = tmp_path / "standin" / "sglang"
     pkg.mkdir(parents=True)
@@ -241,10 +241,10 @@ def test_sglang_gets_the_key_from_the_environment_not_argv_and_logs_never_show_i
         assert len(key) >= 40
         rec = json.loads((tmp_path / "record.json").read_text())
         argv = servers[0].argv
-        assert argv[1:5] == ["-m", "megatron_search.rollout.sglang_serve", "--api-key-env", "MS_TEST_SGLANG_KEY"]
+        assert argv[1:5] == ["-m", "megatron_search.rollout.sglang.serve", "--api-key-env", "MS_TEST_SGLANG_KEY"]
         assert rec["key"] == key and key not in " ".join(argv)
         assert key not in rec["cmdline"] and key not in rec["child"]["cmdline"]
-        assert "megatron_search.rollout.sglang_serve" in rec["cmdline"]
+        assert "megatron_search.rollout.sglang.serve" in rec["cmdline"]
         assert rec["env"] is None and rec["child"]["env"] is None
         assert key not in open(f"/proc/{servers[0].proc.pid}/cmdline").read()
     finally:

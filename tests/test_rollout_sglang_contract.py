@@ -5,7 +5,7 @@ sampling params verified, each TP rank's tensor payload opened by SGLang's seria
 weight-update group meets the one SGLang's init_custom_process_group creates. The local server's API-key
 rule decides as sglang's decide_request_auth on every route it serves (levels read from SGLang's
 http_server.py); --api-key is SGLang's only way to take the key and SGLang logs it, which is why
-SGLang starts through rollout/sglang_serve.py.
+SGLang starts through rollout/sglang/serve.py.
 
 The check runs in a child process (tests/_sglang_contract_check.py): importing sglang sets
 environment variables and patches transformers, which must not leak into the rest of the suite.

@@ -1,4 +1,4 @@
-"""The vLLM client (rollout/vllm.py) against the local engine serving vLLM 0.33.0's API (rollout/local_vllm.py).
+"""The vLLM client (rollout/vllm/client.py) against the local engine serving vLLM 0.33.0's API (rollout/local/vllm_api.py).
 
 A server subprocess (started by launch.start_engines with rollout.engine=vllm, rollout.vllm.server=local)
 serves the tiny random Qwen3-MoE (seed 0); the test process rebuilds the same model and checks what comes
@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_search.config import ConfigError, load_config
-from megatron_search.rollout.auth import bearer_header, key_from_env
-from megatron_search.rollout.engine import EngineError
+from megatron_search.rollout.engine.auth import bearer_header, key_from_env
+from megatron_search.rollout.engine.base import EngineError
 from megatron_search.rollout.launch import start_engines
-from megatron_search.rollout.local_runner import load_hf_model
-from megatron_search.rollout.types import GenerateRequest, SamplingParams
-from megatron_search.rollout.vllm import VLLMClient, vllm_command, vllm_env
+from megatron_search.rollout.local.runner import load_hf_model
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.vllm.client import VLLMClient, vllm_command, vllm_env
 
 MODEL = "configs/models/tiny_qwen3_moe"
 VLLM = ["rollout.engine=vllm", "rollout.vllm.server=local"]
@@ -235,7 +235,7 @@ def test_config_checks_and_launch_line():
 def test_engine_urls_get_the_client_of_rollout_engine():
     """Attached URLs (rollout.engine_urls, eval model URLs) are driven with the API rollout.engine names."""
     from megatron_search.eval.run import open_engine
-    from megatron_search.rollout.sglang import SGLangClient
+    from megatron_search.rollout.sglang.client import SGLangClient
 
     for engine, kind in (("vllm", VLLMClient), ("sglang", SGLangClient)):
         cfg = load_config(None, [f"rollout.engine={engine}", "rollout.engine_urls=[http://127.0.0.1:9]"])

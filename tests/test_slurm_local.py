@@ -299,7 +299,9 @@ def test_engines_sharing_a_node_see_disjoint_gpus(cluster, tmp_path):
     log = tmp_path / "job.out"
     job = _submit(env, "tests/slurm/engine_probe.sh", log, [
         "--tasks-per-node", "1", "rollout.engine=sglang", "rollout.sglang.tp=1", "cluster.gpus_per_node=2",
-        "rollout.sglang.enable_memory_saver=true"])
+        "rollout.sglang.enable_memory_saver=true",
+        # the launch plan checks what the GRPO job needs (config.stage_problems); the probe never reads them
+        "rm.load=unused-rm", "data.qa_path=unused-qa", "data.rubric_path=unused-rubrics"])
     try:
         info = _wait(env, job, log, lambda i: i.get("JobState") in TERMINAL, "finished", 180)
     finally:

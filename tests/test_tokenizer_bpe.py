@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from megatron_search.rollout.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEXT_TOKENS, BPETokenizer, load_tokenizer
+from megatron_search.chat.tokenizer import CHAT_SPECIAL_TOKENS, CHAT_TEXT_TOKENS, BPETokenizer, load_tokenizer
 
 WORDS = ("river city capital founded author book startup accelerator launched cohort question answer search "
          "result museum painter novel physicist prize award mountain island language population").split()

@@ -6,7 +6,7 @@ implementation of the same BPE).
 """
 import pytest
 
-from megatron_search.rollout.tokenizer import QWEN_ADDED_TOKENS, QwenTokenizer
+from megatron_search.chat.tokenizer import QWEN_ADDED_TOKENS, QwenTokenizer
 
 TEXTS = [
     "Hello world",

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_search.rollout.types import Rollout, Segment
+from megatron_search.rollout.engine.types import Rollout, Segment
 from megatron_search.train.rollout_batch import pack_rollouts
 
 

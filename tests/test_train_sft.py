@@ -34,8 +34,8 @@ def _runs(mask):
 
 
 def test_assistant_only_mask_on_a_rendered_example(tok_dir):
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.train.sft_data import tokenize_example
 
     tok = BPETokenizer.load(tok_dir)
@@ -60,7 +60,7 @@ def test_assistant_only_mask_on_a_rendered_example(tok_dir):
 
 def test_qwen3_5_think_mode_mask_starts_after_the_generation_prefix():
     """Qwen3.5 opens `<think>` in the generation prefix, so the model's tokens (the loss) start after it."""
-    from megatron_search.rollout.chat_format import ChatFormat
+    from megatron_search.chat.format import ChatFormat
     from megatron_search.train.sft_data import segment_conversation
 
     msgs = [{"role": "user", "content": "Hi?"},
@@ -78,8 +78,8 @@ def test_qwen3_5_think_mode_mask_starts_after_the_generation_prefix():
 
 
 def test_packed_batch_labels_and_mask_align(tmp_path, tok_dir):
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.train.sft_data import SFTBatcher, tokenize_example
 
     tok = BPETokenizer.load(tok_dir)
@@ -153,8 +153,8 @@ def test_sft_loss_is_finite_and_falls_on_a_repeated_batch(tmp_path, tok_dir, mon
 
 def test_bad_inputs_fail_clearly(tmp_path, tok_dir):
     from megatron_search.data.jsonl import DataError
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.train.sft_data import load_sft_datasets, tokenize_example, tokenizer_for
 
     tok = BPETokenizer.load(tok_dir)
@@ -174,8 +174,8 @@ def test_data_order_does_not_depend_on_where_the_files_live(tok_dir):
     """The same datasets under two directories give the same batches (the mix is keyed by the shortest
     distinguishing trailing path, not the full path); a state saved with full-path keys still loads."""
     from megatron_search.data.jsonl import DataError
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.train.sft_data import SFTBatcher, location_free_names
 
     assert location_free_names(["/x/run1/tool.jsonl", "/x/run1/read.jsonl"]) == {
@@ -211,8 +211,8 @@ def test_trimmed_batches_cut_only_padding_and_keep_the_loss(tok_dir):
     same on the cut batch as on the full-width one (to float32 rounding: the matmul shapes differ)."""
     import transformers
 
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.train.sft_data import SFTBatcher
 
     tok, fmt = BPETokenizer.load(tok_dir), ChatFormat("qwen3")

@@ -15,8 +15,8 @@ from _sft_helpers import sft_config, train_tokenizer, write_dataset
 def test_skill_check_stops_the_run_and_decodes_as_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder
     from megatron_search.train.sft import run_sft
     from megatron_search.train.skill_check import greedy_decode
     from megatron_search.weights.convert import convert
@@ -69,8 +69,8 @@ def test_skill_check_refuses_a_layout_it_cannot_decode_on(tmp_path):
 
 
 def test_skill_check_rejects_examples_without_an_answer(tmp_path):
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder
     from megatron_search.train.skill_check import SkillCheck
 
     train_tokenizer(tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_search.rollout.local_launch import launch_local_server
+from megatron_search.rollout.local.launch import launch_local_server
 from megatron_search.weights.launch import run_ranks
 
 pytestmark = pytest.mark.multiprocess

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent  # noqa: E402
-from megatron_search.rollout.chat_format import ChatFormat  # noqa: E402
-from megatron_search.rollout.local_runner import load_hf_model  # noqa: E402
-from megatron_search.rollout.sglang import SGLangClient  # noqa: E402
-from megatron_search.rollout.local_launch import launch_local_server
-from megatron_search.rollout.tokenizer import BPETokenizer, ChatEncoder  # noqa: E402
+from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent  # noqa: E402
+from megatron_search.chat.format import ChatFormat  # noqa: E402
+from megatron_search.rollout.local.runner import load_hf_model  # noqa: E402
+from megatron_search.rollout.sglang.client import SGLangClient  # noqa: E402
+from megatron_search.rollout.local.launch import launch_local_server
+from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder  # noqa: E402
 from megatron_search.search.base import SearchBackend, SearchResult  # noqa: E402
 from megatron_search.search.tool import SearchTool  # noqa: E402
 

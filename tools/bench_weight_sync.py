@@ -85,7 +85,7 @@ def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total:
     import psutil
     import torch.distributed as dist
 
-    from megatron_search.rollout.sglang import SGLangClient
+    from megatron_search.rollout.sglang.client import SGLangClient
     from megatron_search.weights.delivery import WeightSync
 
     sync = WeightSync([SGLangClient(url, 3600.0)], "distributed", bucket_bytes=bucket_mb << 20, inflight="abort",
@@ -174,7 +174,7 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_re
     if rank == 0:
         import asyncio
 
-        from megatron_search.rollout.local import LocalEngine
+        from megatron_search.rollout.local.engine import LocalEngine
 
         # memcpy of the same bytes (2 threads), median of 3.
         torch.set_num_threads(2)
@@ -249,7 +249,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.tp == 1 and not args.grpo_only:
         ap.error("--tp 1 measures the GRPO path only: pass --grpo-only")
-    from megatron_search.rollout.local_launch import launch_local_server
+    from megatron_search.rollout.local.launch import launch_local_server
     from megatron_search.weights.launch import run_ranks
 
     buckets = [int(x) for x in args.buckets_mb.split(",")]

@@ -82,8 +82,8 @@ def prepare(work: Path) -> dict:
     from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples
     from megatron_search.data.jsonl import write_jsonl
     from megatron_search.data.world import build_world
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer
     from megatron_search.search.local import build_index
     from megatron_search.search.tool import SearchTool
 
@@ -191,7 +191,7 @@ def _convert(arch: str, inputs: dict, ckpt: Path, d: Path) -> dict:
     """SFT checkpoint -> HF: logits vs transformers; HF -> Megatron -> HF: bit for bit."""
     import torch
 
-    from megatron_search.rollout.local_runner import load_hf_model
+    from megatron_search.rollout.local.runner import load_hf_model
     from megatron_search.weights.checkpoint import hf_to_mcore, load_mcore_checkpoint, mcore_to_hf
     from megatron_search.weights.hf_source import HFTensorSource
 
@@ -230,12 +230,12 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
 
     import torch
 
-    from megatron_search.rollout.auth import bearer_header, key_from_env
-    from megatron_search.rollout.local_runner import load_hf_model
-    from megatron_search.rollout.local_weights import load_named_tensors, weights_sha256
-    from megatron_search.rollout.sglang import SGLangClient
-    from megatron_search.rollout.local_launch import launch_local_server
-    from megatron_search.rollout.types import GenerateRequest, SamplingParams
+    from megatron_search.rollout.engine.auth import bearer_header, key_from_env
+    from megatron_search.rollout.local.runner import load_hf_model
+    from megatron_search.rollout.local.weights import load_named_tensors, weights_sha256
+    from megatron_search.rollout.sglang.client import SGLangClient
+    from megatron_search.rollout.local.launch import launch_local_server
+    from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
     from megatron_search.weights.checkpoint import load_mcore_checkpoint
     from megatron_search.weights.delivery import WeightSync
     from megatron_search.weights.export import export_hf_weights
@@ -296,7 +296,7 @@ def _delivery(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict
 
 def _grpo(arch: str, inputs: dict, ckpt: Path, d: Path, device: str) -> dict:
     from megatron_search.config import load_config
-    from megatron_search.rollout.local_launch import launch_local_server
+    from megatron_search.rollout.local.launch import launch_local_server
     from megatron_search.train.grpo import run_grpo
 
     server = launch_local_server(None, _engine_args(arch, inputs), d / "engine.log", timeout_s=300, device=device)

@@ -79,8 +79,8 @@ def _demo_data(cfg, n: int):
     """Write the synthetic set (and, if needed, a tokenizer) under run.output_dir; returns overrides."""
     from megatron_search.rm.data import write_pairs
     from megatron_search.rm.synthetic import split_pairs, synthetic_pairs
-    from megatron_search.rollout.chat_format import ChatFormat
-    from megatron_search.rollout.tokenizer import BPETokenizer, load_tokenizer
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer, load_tokenizer
 
     out = Path(cfg.run.output_dir) / "rm_demo"
     pairs = synthetic_pairs(n, seed=cfg.rm.seed)

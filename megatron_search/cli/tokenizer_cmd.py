@@ -4,7 +4,7 @@
 
 The corpus is JSONL (the `title` and `text` fields of each line are used, as in the search
 corpus, or `question`/`answer`) or plain text (one document per line). The result is
-runs/tokenizer/tokenizer.json with the chat tokens at ids 0..8 (see rollout/tokenizer.py).
+runs/tokenizer/tokenizer.json with the chat tokens at ids 0..8 (see chat/tokenizer.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Iterator
 
-from megatron_search.rollout.tokenizer import PRETOKENIZERS
+from megatron_search.chat.tokenizer import PRETOKENIZERS
 
 TEXT_FIELDS = ("title", "text", "question", "answer", "content")
 
@@ -53,7 +53,7 @@ def iter_texts(path: str) -> Iterator[str]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from megatron_search.rollout.tokenizer import BPETokenizer
+    from megatron_search.chat.tokenizer import BPETokenizer
 
     try:
         texts = [t for path in args.corpus for t in tqdm(iter_texts(path), desc=f"reading {path}", unit=" docs")]

@@ -7,7 +7,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 
 from .base import Section
 
-DEFAULT_ENGINE_KEY_ENV = "MEGATRON_SEARCH_ENGINE_KEY"  # rollout.api_key_env's default (rollout/auth.py)
+DEFAULT_ENGINE_KEY_ENV = "MEGATRON_SEARCH_ENGINE_KEY"  # rollout.api_key_env's default (rollout/engine/auth.py)
 
 
 class SearchConfig(Section):
@@ -30,7 +30,7 @@ class SearchConfig(Section):
 
 
 class SGLangConfig(Section):
-    """`python -m sglang.launch_server` flags (rollout/sglang.py builds the command line)."""
+    """`python -m sglang.launch_server` flags (rollout/sglang/client.py builds the command line)."""
 
     model_path: Optional[str] = Field(None, description="HF directory served; None = model.checkpoint")
     tp: PositiveInt = 1
@@ -51,11 +51,11 @@ class SGLangConfig(Section):
     extra_args: list[str] = Field(default_factory=list)
 
 
-VLLM_VERSION = "0.33.0"  # the vLLM release rollout/vllm.py is written and contract-tested against
+VLLM_VERSION = "0.33.0"  # the vLLM release rollout/vllm/client.py is written and contract-tested against
 
 
 class VLLMConfig(Section):
-    """`vllm serve` flags (rollout/vllm.py builds the command line; docs/ROLLOUT.md, "vLLM"). Defaults are vLLM
+    """`vllm serve` flags (rollout/vllm/client.py builds the command line; docs/ROLLOUT.md, "vLLM"). Defaults are vLLM
     0.33.0's own (engine/arg_utils.py) unless the description says why they differ."""
 
     server: Literal["vllm", "local"] = Field(
@@ -83,7 +83,7 @@ class VLLMConfig(Section):
 
 
 class LocalEngineConfig(Section):
-    """The local engine (rollout/local.py): the HF model under transformers, SGLang's HTTP API subset."""
+    """The local engine (rollout/local/engine.py): the HF model under transformers, SGLang's HTTP API subset."""
 
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                         description="where the engine's model runs: cpu, cuda or cuda:N (one device per engine)")

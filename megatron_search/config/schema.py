@@ -186,7 +186,7 @@ def layout_problems(cfg: Config, world_size: int | None) -> list[str]:
 
 
 def vllm_problems(cfg: Config, sync: str) -> list[str]:
-    """What vLLM 0.33.0 cannot do for this config (rollout/vllm.py, docs/ROLLOUT.md "vLLM")."""
+    """What vLLM 0.33.0 cannot do for this config (rollout/vllm/client.py, docs/ROLLOUT.md "vLLM")."""
     r, out = cfg.rollout, []
     if sync in ("tensor", "distributed"):
         out.append(f"rollout.weight_sync: '{sync}' into vLLM is not supported yet: vLLM 0.33.0's weight-transfer "

@@ -4,7 +4,7 @@ preference-oriented examples (instruction following, language consistency, forma
 Every search in a trajectory is a real `search_web` call through the SearchTool (RECIPE 6 limits)
 against the index; its real result text becomes the tool message, and a trajectory is kept only
 when the entity each step needs is in the results it got (so the final answer is supported by
-the transcript). Examples are chat messages for rollout/chat_format.py: OpenAI-style assistant
+the transcript). Examples are chat messages for chat/format.py: OpenAI-style assistant
 `tool_calls`, `tool` messages. The loss covers assistant messages only; each example lists
 `loss_roles` and the trainer masks everything else.
 """

@@ -37,8 +37,8 @@ from megatron_search.data.world import build_world
 from megatron_search.eval import BenchmarkSpec, evaluate
 from megatron_search.eval.metrics import broken_tool_calls, paired_accuracy_difference
 from megatron_search.eval.results import ResultStore
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.tokenizer import BPETokenizer
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.search.local import build_index
 from megatron_search.search.tool import SearchTool
 

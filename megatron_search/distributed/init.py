@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.config.schema import layout_problems, stage_problems
-from megatron_search.rollout.auth import EngineKeyError, job_key, use_key_env
+from megatron_search.rollout.engine.auth import EngineKeyError, job_key, use_key_env
 
 from .cpu_compat import define_missing_te_gemm, enable_cpu_compat
 from .env import DistEnv, read_dist_env

@@ -24,13 +24,13 @@ from typing import Optional, Sequence, Union
 
 from megatron_search.data.jsonl import atomic_write_json, write_jsonl
 from megatron_search.data.sft import SYSTEM_PROMPT
-from megatron_search.rollout.agent import AgentSettings, SearchAgent
-from megatron_search.rollout.auth import key_from_env
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.engine import Engine
-from megatron_search.rollout.sglang import SGLangClient
-from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
-from megatron_search.rollout.vllm import VLLMClient
+from megatron_search.rollout.agent.loop import AgentSettings, SearchAgent
+from megatron_search.rollout.engine.auth import key_from_env
+from megatron_search.chat.format import ChatFormat
+from megatron_search.rollout.engine.base import Engine
+from megatron_search.rollout.sglang.client import SGLangClient
+from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
+from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.search import build_backend
 from megatron_search.search.base import SearchBackend
 from megatron_search.search.local import LocalSearchBackend, read_corpus
@@ -71,7 +71,7 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
     if not (Path(spec) / "config.json").is_file():
         raise ValueError(f"model {spec!r}: neither an engine URL (http://...) nor an HF checkpoint directory "
                          "(no config.json)")
-    from megatron_search.rollout.local import LocalEngine  # start-up: transformers (0.6 s), only for an HF dir model
+    from megatron_search.rollout.local.engine import (LocalEngine)  # start-up: transformers (0.6 s), only for an HF dir model
 
     lc = cfg.rollout.local
     return LocalEngine(spec, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,

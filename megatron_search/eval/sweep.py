@@ -28,9 +28,9 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from megatron_search.rollout.agent import AgentTask, SearchAgent
-from megatron_search.rollout.engine import EngineError
-from megatron_search.rollout.types import Rollout
+from megatron_search.rollout.agent.loop import AgentTask, SearchAgent
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.types import Rollout
 
 from .benchmarks import EvalExample
 from .results import ResultStore, result_key

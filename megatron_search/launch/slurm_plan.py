@@ -55,12 +55,12 @@ class LaunchPlan:
 
 def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank: int, dist_addr: str,
                 base_gpu_id: int = 0, engine_index: int = 0) -> list[str]:
-    """argv of one SGLang server process for the cluster: rollout/sglang.py's command, reachable from
+    """argv of one SGLang server process for the cluster: rollout/sglang/client.py's command, reachable from
     the training nodes (0.0.0.0 on the cluster's private network), spread over `nnodes` nodes, and
     with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync).
     Each engine samples with its own seed (run.seed + engine_index): the rollouts of one group are
     spread over engines and must not repeat each other's random draws."""
-    from megatron_search.rollout.sglang import sglang_command  # start-up: rollout clients, +0.11 s on launch-plan
+    from megatron_search.rollout.sglang.client import (sglang_command)  # start-up: rollout clients, +0.11 s on launch-plan
 
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     sg = cfg.rollout.sglang.model_copy(update={
@@ -76,12 +76,12 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
 
 
 def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_index: int = 0) -> list[str]:
-    """argv of one vLLM server for the cluster: rollout/vllm.py's `vllm serve` line run through its main (the key
+    """argv of one vLLM server for the cluster: rollout/vllm/client.py's `vllm serve` line run through its main (the key
     from $rollout.api_key_env becomes $VLLM_API_KEY there, never an argument), on `gpus` of its node, reachable from
     the training nodes (0.0.0.0 on the private network: vLLM's RL routes are not guarded by its key), seeded per
     engine, dummy weights without an HF checkpoint (the policy's weights arrive by weight sync)."""
     # start-up: rollout clients, +0.11 s on launch-plan
-    from megatron_search.rollout.vllm import serve_argv, vllm_command
+    from megatron_search.rollout.vllm.client import serve_argv, vllm_command
 
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     v = cfg.rollout.vllm.model_copy(update={"host": "0.0.0.0",
@@ -147,7 +147,7 @@ def make_launch_plan(
                     plan.engines.append(Engine(node, port, argv, serves=rank == 0))
         else:
             # start-up: rollout clients, +0.11 s on launch-plan
-            from megatron_search.rollout.process import ENGINE_PORT_STRIDE
+            from megatron_search.rollout.engine.process import ENGINE_PORT_STRIDE
 
             per_node_engines = per_node // gpus_per_engine
             for n, node in enumerate(serve_nodes):  # engines sharing a node: disjoint GPUs and port ranges
@@ -166,7 +166,7 @@ def make_launch_plan(
 def _plan_vllm(plan: LaunchPlan, cfg: Config, serve_nodes: list[str]) -> None:
     """vLLM engines: each within one node (TP x DP GPUs), engines sharing a node on disjoint GPUs and ports."""
     # start-up: rollout clients (aiohttp, safetensors: +0.11 s on launch-plan), only for plans with engines
-    from megatron_search.rollout.process import ENGINE_PORT_STRIDE
+    from megatron_search.rollout.engine.process import ENGINE_PORT_STRIDE
 
     v, per_node = cfg.rollout.vllm, cfg.cluster.gpus_per_node
     gpus = v.tp * v.dp

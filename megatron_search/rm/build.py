@@ -1,8 +1,8 @@
 """Wiring from the config: the text encoder, a loaded reward model's scorer, the GRPO service."""
 from __future__ import annotations
 
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.tokenizer import load_tokenizer
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import load_tokenizer
 
 from .model import build_reward_model_chunks
 from .scorer import PairEncoder, RMScorer

@@ -13,7 +13,7 @@
   with"), so the group's reference lengths vary. The file is rewritten atomically after each addition;
   records written before samples existed are sample 0.
 - `agent_reference_generator(agent)`: the generator that runs the search agent on the frozen
-  reference engine (rollout/agent.py) and keeps each rollout's final answer and its length.
+  reference engine (rollout/agent/loop.py) and keeps each rollout's final answer and its length.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 
 from megatron_search.data.jsonl import write_jsonl
 from megatron_search.rewards.preference import ReferenceAnswer
-from megatron_search.rollout.agent import AgentTask
+from megatron_search.rollout.agent.loop import AgentTask
 
 # (prompts, sample indices) -> one reference answer per pair; sample k is seeded apart from the others.
 ReferenceGenerator = Callable[[list[list[dict]], list[int]], list[ReferenceAnswer]]
@@ -123,7 +123,7 @@ def reference_seed(seed: Optional[int], sample: int) -> Optional[int]:
 
 
 def agent_reference_generator(agent, seed: Optional[int] = None, progress: bool = False) -> ReferenceGenerator:
-    """Reference answers from the search agent on the frozen reference engine (rollout/agent.py).
+    """Reference answers from the search agent on the frozen reference engine (rollout/agent/loop.py).
 
     A rollout without a final answer (length stop) gives the empty answer, as in train/scoring.py.
     """

@@ -1,7 +1,8 @@
-"""Rollouts: engines (SGLang client/launcher, local CPU engine with the same HTTP API), the chat /
-tool-call format, tokenizers, and the multi-turn search agent loop.
+"""Rollouts: the engine interface and its records (engine/), SGLang (sglang/), vLLM (vllm/), the local CPU engine
+with the same HTTP APIs (local/), the multi-turn search agent loop (agent/), and `launch.start_engines`, which
+starts or attaches the engines a config names. The chat format and tokenizers live in megatron_search.chat.
 
-Entry points: `engine.Engine` (interface), `sglang.SGLangClient` / `sglang.launch_local_server`,
-`local.LocalEngine`, `agent.SearchAgent` + `agent.AgentTask` -> `types.Rollout`.
-Modules are imported on demand (torch/transformers are heavy).
+Entry points: `engine.base.Engine`, `sglang.client.SGLangClient`, `local.engine.LocalEngine`,
+`local.launch.launch_local_server`, `agent.loop.SearchAgent` + `AgentTask` -> `engine.types.Rollout`.
+Sub-packages import nothing on their own (torch and transformers are heavy).
 """

@@ -8,7 +8,7 @@ Every client is an `SGLangClient` (VLLMClient is one); callers never branch on t
 
 Every engine is authenticated with the key in `$rollout.api_key_env`: attached engines must already
 hold it; engines started here get it (generated for the job when the variable is unset, and exported
-so later processes and clients of this one share it) through the environment (rollout/auth.py).
+so later processes and clients of this one share it) through the environment (rollout/engine/auth.py).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Optional
 
 from megatron_search.config import dump_config
 
-from .auth import job_key, key_from_env, use_key_env
-from megatron_search.rollout.sglang import SGLangClient, launch_router, launch_sglang_servers
-from megatron_search.rollout.process import ServerProcess
-from megatron_search.rollout.local_launch import launch_local_server
-from .vllm import VLLMClient, launch_vllm_servers
+from megatron_search.rollout.engine.auth import job_key, key_from_env, use_key_env
+from megatron_search.rollout.sglang.client import SGLangClient, launch_router, launch_sglang_servers
+from megatron_search.rollout.engine.process import ServerProcess
+from megatron_search.rollout.local.launch import launch_local_server
+from megatron_search.rollout.vllm.client import VLLMClient, launch_vllm_servers
 
 
 @dataclass
@@ -70,7 +70,7 @@ def start_engines(cfg, output_dir: str | os.PathLike, routed_experts: bool = Fal
     moe_shape = (arch.num_layers, arch.moe_top_k) if arch.num_experts else None
     timeout = r.sglang.request_timeout_s
     use_key_env(r.api_key_env)  # clients built from URLs alone (weight sync, references) read the same variable
-    if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm.py)
+    if r.engine == "vllm":  # vLLM servers, or the local engine serving vLLM's API (rollout/vllm/client.py)
         return start_vllm_engines(cfg, output_dir, moe_shape, routed_experts)
     if r.engine_urls:
         key = key_from_env(r.api_key_env)

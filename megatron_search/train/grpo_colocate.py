@@ -15,7 +15,7 @@ each side holds, and timed as time/release_s, time/resume_s, time/offload_s):
             the parameters leave at the next rollout phase
 A step without signal trains nothing; its engines still come back before the push. The reward model
 (as large as the policy, RECIPE 1, on the training ranks) is resident only while it scores.
-Engines that are down (rollout/health.py) are skipped; memory comes back only to the engine processes
+Engines that are down (rollout/engine/health.py) are skipped; memory comes back only to the engine processes
 that released it (a restarted engine holds its own), and an engine that fails a release or resume is
 marked down, to be restarted before the push (train/grpo_run.py push_weights).
 """
@@ -27,8 +27,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_search.rollout.engine import EngineError
-from megatron_search.rollout.health import DOWN
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.health import DOWN
 
 from .offload import StateOffloader
 

@@ -9,8 +9,8 @@ engine servers or SGLang servers, optionally behind sglang-router): every one is
 the same API. Rollouts are spread over the generation endpoints round-robin by task; weight
 updates go to every server.
 
-Engine failures (issue 25.1; docs/ROLLOUT.md, "Failure model"): rollout/health.py keeps each
-engine's state and heartbeats, rollout/dispatch.py runs every job (training rollouts, reference
+Engine failures (issue 25.1; docs/ROLLOUT.md, "Failure model"): rollout/engine/health.py keeps each
+engine's state and heartbeats, rollout/agent/dispatch.py runs every job (training rollouts, reference
 answers, held-out evaluation) so that it ends in the results once or is counted lost; a rollout whose
 engine went down runs again on a live engine with the same task and seed. Down engines are restarted
 (or waited for) at `recover_engines`, before each weight update, and serve again once it reached them.
@@ -42,13 +42,13 @@ from megatron_search.data.rubrics import RubricJudge
 from megatron_search.rewards.answer import qa_reward
 from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rm.service import ReferenceCache, reference_seed
-from megatron_search.rollout.agent import AgentSettings, AgentTask, SearchAgent
-from megatron_search.rollout.chat_format import ChatFormat
-from megatron_search.rollout.dispatch import Dispatcher, JobResult
-from megatron_search.rollout.engine import Engine
-from megatron_search.rollout.health import EngineHealth
-from megatron_search.rollout.tokenizer import ChatEncoder, load_tokenizer
-from megatron_search.rollout.types import Rollout
+from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
+from megatron_search.chat.format import ChatFormat
+from megatron_search.rollout.agent.dispatch import Dispatcher, JobResult
+from megatron_search.rollout.engine.base import Engine
+from megatron_search.rollout.engine.health import EngineHealth
+from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
+from megatron_search.rollout.engine.types import Rollout
 from megatron_search.search.tool import SearchTool
 
 from .scoring import rubric_jobs
@@ -111,7 +111,7 @@ class RolloutDriver:
         return len(self.agents)
 
     def collect(self, items: Sequence[MixItem], step: int) -> Collected:
-        """G rollouts per item; lost ones (rollout/dispatch.py: after any retries) are left out and counted."""
+        """G rollouts per item; lost ones (rollout/agent/dispatch.py: after any retries) are left out and counted."""
         g = self.cfg.grpo.group_size
         jobs = []
         for j, item in enumerate(items):

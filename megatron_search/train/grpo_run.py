@@ -27,9 +27,9 @@ from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rl.advantages import filtered_groups, group_advantages
 from megatron_search.rl.registry import build_policy_loss
 from megatron_search.rollout.launch import start_engines
-from megatron_search.rollout.local import LocalEngine
-from megatron_search.rollout.sglang import SGLangClient
-from megatron_search.rollout.vllm import VLLMClient
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.sglang.client import SGLangClient
+from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.trainer.core import Trainer
 from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line

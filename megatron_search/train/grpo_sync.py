@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megatron_search.rollout.sglang import SGLangClient
-from megatron_search.rollout.vllm import VLLMClient
+from megatron_search.rollout.sglang.client import SGLangClient
+from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.weights.delivery import WeightSync
 from megatron_search.weights.export import export_hf_weights
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter

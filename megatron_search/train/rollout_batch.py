@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_search.rollout.types import Rollout
+from megatron_search.rollout.engine.types import Rollout
 
 
 @dataclass

@@ -25,7 +25,7 @@ from megatron_search.data.rubric_checks import check_rubric
 from megatron_search.rewards.answer import qa_reward, rubric_reward
 from megatron_search.rewards.batch import RolloutScores
 from megatron_search.rewards.preference import ReferenceAnswer
-from megatron_search.rollout.types import Rollout
+from megatron_search.rollout.engine.types import Rollout
 
 
 def base_reward(item: MixItem, answer: Optional[str], answer_match: str,

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from megatron_search.data.jsonl import append_jsonl, read_jsonl
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed import init_distributed
-from megatron_search.rollout.tokenizer import ChatEncoder
+from megatron_search.chat.tokenizer import ChatEncoder
 from megatron_search.trainer.core import Trainer
 from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line

@@ -1,7 +1,7 @@
 """SFT batches: chat examples -> token ids with an assistant-only loss mask -> packed [B, S] rows.
 
 Input rows (JSONL, the format data/sft.py writes): {"id", "messages", "tools"?, "loss_roles"?}.
-A conversation is rendered with the model's chat format (rollout/chat_format.py) and tokenised
+A conversation is rendered with the model's chat format (chat/format.py) and tokenised
 the way a rollout produces it: every text up to and including an assistant generation prefix
 (`<|im_start|>assistant\\n`, plus `<think>\\n` in think="open" mode) is one prompt segment
 (loss 0), and each assistant body through its `<|im_end|>` is one generated segment (loss 1,
@@ -32,8 +32,8 @@ from megatron_search.data.hf_datasets import row_table
 from megatron_search.data.jsonl import DataError
 from megatron_search.data.mix import MixSampler
 from megatron_search.trainer.step import Batch
-from megatron_search.rollout.chat_format import IM_END, IM_START, ChatFormat
-from megatron_search.rollout.tokenizer import ChatTokenizer, load_tokenizer
+from megatron_search.chat.format import IM_END, IM_START, ChatFormat
+from megatron_search.chat.tokenizer import ChatTokenizer, load_tokenizer
 
 from .rollout_batch import round_up
 

@@ -28,7 +28,7 @@ accepts:
                                       runs (an in-place pause would hold running requests, and SGLang
                                       refuses the flush then); disk: the load carries the version
   end_weight_update, continue_generation
-Engines that are down (rollout/health.py) are left out of a push: `push(..., live={engine: incarnation})`
+Engines that are down (rollout/engine/health.py) are left out of a push: `push(..., live={engine: incarnation})`
 names the ones to reach, the same on every rank. A broadcast group spans exactly the live engines, and is
 opened again when that set changes or one of them is a new process (a restarted engine knows no group).
 """
@@ -48,8 +48,7 @@ from safetensors.torch import save_file
 from megatron_search.config.hf import Architecture
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.init import free_port
-from megatron_search.rollout.weight_group import (FLAT, close_weight_group, open_weight_group,
-                                                  send_flat_bucket)
+from megatron_search.rollout.sglang.weight_group import FLAT, close_weight_group, open_weight_group, send_flat_bucket
 from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
 from megatron_search.weights.send_plan import (Destination, LinkCosts, colocated_destinations,
                                                disaggregated_destination)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import MappingError, Match
-from megatron_search.rollout.weight_group import round_up_bytes
+from megatron_search.rollout.sglang.weight_group import round_up_bytes
 from megatron_search.weights.params import LocalParam, local_params, model_mapping, padded_vocab_size
 from megatron_search.weights.send_plan import Destination, LinkCosts, ParamShards, SendPlan, build_send_plan
 

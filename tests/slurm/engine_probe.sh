@@ -6,7 +6,7 @@
 #SBATCH --time=00:05:00
 # The engine half of slurm/lib.sh on a real Slurm: plan a GRPO job's SGLang engines for this allocation
 # and start them with ms_start_servers (one srun step each, as the sbatch scripts do). PYTHONPATH puts
-# tests/slurm/probe first, so each step's SGLang main (`python -m megatron_search.rollout.sglang_serve ...`
+# tests/slurm/probe first, so each step's SGLang main (`python -m megatron_search.rollout.sglang.serve ...`
 # runs `sglang.launch_server`) records the node, the GPUs Slurm exposes to it, its argv and what it saw of
 # the API key in $MS_PROBE_DIR, and exits. Overrides as for the scripts.
 MS_STAGE=grpo

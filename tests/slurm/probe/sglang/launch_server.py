@@ -1,7 +1,7 @@
 """Records what an SGLang server process started by slurm/lib.sh sees, then exits.
 
 tests/slurm/engine_probe.sh puts this folder first on PYTHONPATH, so the engines' SGLang main (run by
-rollout/sglang_serve.py from the launch plan's argv) is this instead of a server: it writes its argv
+rollout/sglang/serve.py from the launch plan's argv) is this instead of a server: it writes its argv
 (the API key replaced by its sha256), node, GPU environment, whether the key is on the process's real
 command line (/proc/self/cmdline) and whether the key's variable is still in its environment, as JSON
 into $MS_PROBE_DIR, one file per process.

@@ -10,11 +10,11 @@ Binds 127.0.0.1 unless told otherwise.
 
 With a key in `$rollout.api_key_env` (or `--api-key-env NAME`) the server refuses what SGLang started
 with `--api-key` refuses: 401 on every route but OPTIONS and /health*, /ready*, /metrics* without
-`Authorization: Bearer <key>` (rollout/auth.py). Bad input is a 4xx naming the field that changes
-nothing (rollout/http_input.py: body limits per route, JSON objects, typed fields; weight updates
-are checked whole before the first write, rollout/local_weights.py).
+`Authorization: Bearer <key>` (rollout/engine/auth.py). Bad input is a 4xx naming the field that changes
+nothing (rollout/local/http_input.py: body limits per route, JSON objects, typed fields; weight updates
+are checked whole before the first write, rollout/local/weights.py).
 
-Run: python -m megatron_search.rollout.local_server [config.yaml] [key=value ...] [--port N] [--device cuda]
+Run: python -m megatron_search.rollout.local.server [config.yaml] [key=value ...] [--port N] [--device cuda]
 """
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ from aiohttp import web
 
 from megatron_search.config import ConfigError, load_config
 
-from .auth import EngineKeyError, key_from_env, request_allowed
-from .chat_endpoint import ChatEndpoint
-from .engine import EngineError, encode_routed_experts
-from .http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
-from .local import LocalEngine
-from .local_vllm import add_vllm_routes, require_vllm_key
-from megatron_search.rollout.tensor_payload import LOCAL_TENSOR_FORMAT, WeightUpdateError, deserialize_named_tensors
-from megatron_search.rollout.local_weights import check_dtypes
-from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
-from .types import GenerateRequest, SamplingParams
+from megatron_search.rollout.engine.auth import EngineKeyError, key_from_env, request_allowed
+from megatron_search.rollout.local.chat_endpoint import ChatEndpoint
+from megatron_search.rollout.engine.base import EngineError, encode_routed_experts
+from megatron_search.rollout.local.http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.vllm_api import add_vllm_routes, require_vllm_key
+from megatron_search.rollout.engine.tensor_payload import (LOCAL_TENSOR_FORMAT, WeightUpdateError,
+                                                           deserialize_named_tensors)
+from megatron_search.rollout.local.weights import check_dtypes
+from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
@@ -86,7 +87,7 @@ def handler(fn: Callable) -> Callable:
 
 @web.middleware
 async def require_api_key(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """SGLang's --api-key rule (rollout/auth.py): Bearer key on every route but OPTIONS and /health*, /ready*,
+    """SGLang's --api-key rule (rollout/engine/auth.py): Bearer key on every route but OPTIONS and /health*, /ready*,
     /metrics*; 401 with SGLang's body otherwise, before the body is read."""
     if not request_allowed(request.method, request.path, request.headers.get("Authorization"),
                            request.app.get(API_KEY)):
@@ -366,7 +367,7 @@ def build_app(engine: LocalEngine, chat=None, api_key: Optional[str] = None,
               limits: Optional[dict] = None, api: str = "sglang", routed_experts: bool = False) -> web.Application:
     """The aiohttp app; `chat` (a ChatEndpoint) enables /v1/chat/completions; with `api_key` every route SGLang
     guards needs it (require_api_key); `limits`: body bytes per route (body_limits; default DEFAULT_LIMITS).
-    api="vllm": vLLM 0.33.0's routes and key rule instead of SGLang's (rollout/local_vllm.py). `routed_experts` is
+    api="vllm": vLLM 0.33.0's routes and key rule instead of SGLang's (rollout/local/vllm_api.py). `routed_experts` is
     either server's --enable-return-routed-experts: without it, requests get no routed experts back."""
     limits = dict(limits or DEFAULT_LIMITS)
     if api not in ("sglang", "vllm"):
@@ -462,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record each token's routed experts so requests may ask for them (SGLang's and vLLM's flag)")
     p.add_argument("--api", choices=("sglang", "vllm"), default=None,
-                   help="HTTP API served: SGLang's, or vLLM 0.33.0's subset (rollout/local_vllm.py); default vllm "
+                   help="HTTP API served: SGLang's, or vLLM 0.33.0's subset (rollout/local/vllm_api.py); default vllm "
                         "when rollout.engine=vllm (rollout.vllm.server=local), else sglang")
     args = p.parse_args(argv)
     overrides = list(args.overrides)

@@ -1,6 +1,6 @@
 """Start an SGLang server whose API key comes from the environment, never from argv or the logs.
 
-    python -m megatron_search.rollout.sglang_serve --api-key-env NAME [--module M] <M's args ...>
+    python -m megatron_search.rollout.sglang.serve --api-key-env NAME [--module M] <M's args ...>
 
 M is `sglang.launch_server` (default) or `sglang_router.launch_router`, whose `--api-key` protects
 the router and is inherited by the workers given in --worker-urls (sglang-router's README).
@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import Optional
 
-from .auth import EngineKeyError, check_key
+from megatron_search.rollout.engine.auth import EngineKeyError, check_key
 
 REDACTED = b"<redacted>"
 
@@ -85,7 +85,7 @@ MODULES = ("sglang.launch_server", "sglang_router.launch_router")
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "--api-key-env":
-        print("usage: python -m megatron_search.rollout.sglang_serve --api-key-env NAME [--module M] <M's args>",
+        print("usage: python -m megatron_search.rollout.sglang.serve --api-key-env NAME [--module M] <M's args>",
               file=sys.stderr)
         return 2
     name, rest = argv[1], argv[2:]

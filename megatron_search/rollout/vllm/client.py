@@ -44,12 +44,13 @@ import numpy as np
 
 from megatron_search.config.rollout import VLLM_VERSION  # noqa: F401 (re-exported)
 
-from .auth import job_key
-from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode
-from megatron_search.rollout.process import ENGINE_PORT_STRIDE, ServerProcess
-from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
-from megatron_search.rollout.sglang import SGLangClient
-from .types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from megatron_search.rollout.engine.auth import job_key
+from megatron_search.rollout.engine.base import (EngineError, EngineTimeout, EngineUnreachable, MalformedReply,
+                                                 MemoryTag, ModelInfo, PauseMode)
+from megatron_search.rollout.engine.process import ENGINE_PORT_STRIDE, ServerProcess
+from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
+from megatron_search.rollout.sglang.client import SGLangClient
+from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 GENERATE_ROUTE = "/inference/v1/generate"
 VLLM_PAUSE_MODE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -409,16 +410,16 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
 def serve_argv(vllm_argv: Sequence[str], api_key_env: str, gpus: Optional[Sequence[int]] = None) -> list[str]:
     """argv that runs `vllm_argv` (vllm_command's, from "-m" on) through this module's main: the key travels in
     $api_key_env, never in argv; `gpus` become CUDA_VISIBLE_DEVICES (vLLM has no --base-gpu-id)."""
-    head = [sys.executable, "-m", "megatron_search.rollout.vllm", "--api-key-env", api_key_env]
+    head = [sys.executable, "-m", "megatron_search.rollout.vllm.client", "--api-key-env", api_key_env]
     if gpus is not None:
         head += ["--gpus", ",".join(str(g) for g in gpus)]
     return head + ["--", *vllm_argv]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m megatron_search.rollout.vllm --api-key-env NAME [--gpus 0,1] -- <python args of vllm serve>`:
+    """`python -m megatron_search.rollout.vllm.client --api-key-env NAME [--gpus 0,1] -- <python args of vllm serve>`:
     exec vLLM with VLLM_API_KEY from $NAME (generated for the job when unset), VLLM_SERVER_DEV_MODE=1 and the GPUs,
-    so the Slurm plan's command line carries no key (rollout/sglang_serve.py does the same for SGLang)."""
+    so the Slurm plan's command line carries no key (rollout/sglang/serve.py does the same for SGLang)."""
     p = argparse.ArgumentParser(description="vLLM server with the job's API key from the environment")
     p.add_argument("--api-key-env", required=True, metavar="NAME")
     p.add_argument("--gpus", default=None, help="CUDA_VISIBLE_DEVICES for the server (comma-separated)")

@@ -15,7 +15,7 @@ unclosed_reasoning (stopped inside <think>), max_total_tokens, max_turns, abort 
 aborted the request, e.g. for a weight update), undecodable (sampled ids outside the tokenizer).
 A rollout whose engine call fails is lost instead: `run` raises (an EngineError; a reply that
 breaks the engine contract is a MalformedReply) and `run_many` stops or, with
-`return_failures=True`, returns a classified `RolloutFailed` in its place (rollout/failures.py).
+`return_failures=True`, returns a classified `RolloutFailed` in its place (rollout/engine/failures.py).
 Search failures never end a rollout; they are counted in `Rollout.search_failures`.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from tqdm import tqdm
 
 from megatron_search.search.tool import SearchTool, ToolChoice
 
-from .engine import Engine, MalformedReply
-from .failures import RolloutFailed
-from .tokenizer import ChatEncoder
-from .types import GenerateRequest, GenerateResult, Rollout, SamplingParams, Segment
+from megatron_search.rollout.engine.base import Engine, MalformedReply
+from megatron_search.rollout.engine.failures import RolloutFailed
+from megatron_search.chat.tokenizer import ChatEncoder
+from megatron_search.rollout.engine.types import GenerateRequest, GenerateResult, Rollout, SamplingParams, Segment
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """vLLM 0.33.0's HTTP API (the subset VLLMClient uses) in front of the local engine: `local_server --api vllm`.
 
-The routes, fields and answers are vLLM's (rollout/vllm.py lists them); what vLLM refuses is refused
+The routes, fields and answers are vLLM's (rollout/vllm/client.py lists them); what vLLM refuses is refused
 (empty or negative token ids, temperature < 0, top_p outside (0, 1], max_tokens < 1, a routed-experts
 start past the prompt, an unknown pause mode or sleep level, --api-key on /v1 /v2 /inference /cohere),
 and what vLLM would accept but this engine does not do is refused with a 400 naming it (streaming,
@@ -24,14 +24,14 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
-from .engine import EngineError
-from .http_input import BadRequest, check_value, field, list_field, read_json
-from .local import LocalEngine
-from megatron_search.rollout.tensor_payload import WeightUpdateError
-from megatron_search.rollout.local_weights import load_named_tensors, read_safetensors_dir
-from megatron_search.rollout.engine import LOCAL_ENGINE_NAME
-from .types import GenerateRequest, SamplingParams
-from .vllm import GENERATE_ROUTE, encode_npy_experts
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.local.http_input import BadRequest, check_value, field, list_field, read_json
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.engine.tensor_payload import WeightUpdateError
+from megatron_search.rollout.local.weights import load_named_tensors, read_safetensors_dir
+from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.vllm.client import GENERATE_ROUTE, encode_npy_experts
 
 VLLM_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vllm/entrypoints/serve/middleware/authenticate.py
 ROUTED_EXPERTS_KEY = web.AppKey("vllm_routed_experts", bool)  # --enable-return-routed-experts

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from safetensors import safe_open
 
-from .tensor_payload import WeightUpdateError
+from megatron_search.rollout.engine.tensor_payload import WeightUpdateError
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 SKIPPED_PREFIXES = ("mtp.",)

@@ -32,13 +32,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .engine import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
-from .local_runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
-from .local_weights import (check_dtypes, load_named_tensors, plan_named_tensors, read_safetensors_dir,
-                            weights_sha256, write_plan)
-from .types import FinishReason, GenerateRequest, GenerateResult
-from .weight_group import (FLAT, close_weight_group, grow_buffer, open_weight_group, receive_flat_bucket,
-                           receive_named_tensors)
+from megatron_search.rollout.engine.base import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
+from megatron_search.rollout.local.runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
+from megatron_search.rollout.local.weights import (check_dtypes, load_named_tensors, plan_named_tensors,
+                                                   read_safetensors_dir, weights_sha256, write_plan)
+from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
+from megatron_search.rollout.sglang.weight_group import (FLAT, close_weight_group, grow_buffer, open_weight_group,
+                                                         receive_flat_bucket, receive_named_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def sample_tokens(
 
 
 class LocalEngine(Engine):
-    """In-process engine (CPU or one CUDA device); `local_server.py` puts SGLang's HTTP API in front of it."""
+    """In-process engine (CPU or one CUDA device); `server.py` puts SGLang's HTTP API in front of it."""
 
     def __init__(
         self,

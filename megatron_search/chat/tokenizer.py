@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from .chat_format import ChatFormat, AssistantTurn, IM_END, IM_START
+from megatron_search.chat.format import ChatFormat, AssistantTurn, IM_END, IM_START
 
 # Qwen's pre-tokenizer (tokenizer.json of Qwen2/Qwen2.5/Qwen3): digits split one by one.
 QWEN_PATTERN = (

@@ -9,7 +9,7 @@ case-insensitively, key compared in constant time) except OPTIONS requests and p
 
 SGLang reads the key from argv only (no environment variable) and logs it: `server_args={...}` at
 startup and `launch_command` both carry it. SGLang servers therefore start through
-`rollout/sglang_serve.py`, which takes the key from the environment (see `sglang_serve`).
+`rollout/sglang/serve.py`, which takes the key from the environment (see `sglang_serve`).
 
 The key lives in one environment variable, `rollout.api_key_env`. `job_key` reads it or generates
 one (secrets.token_urlsafe) and exports it, so servers and workers started later inherit it;

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Callable
 
-from .engine import EngineError
+from megatron_search.rollout.engine.base import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from .engine import EngineError, EngineTimeout, EngineUnreachable, MalformedReply
+from megatron_search.rollout.engine.base import EngineError, EngineTimeout, EngineUnreachable, MalformedReply
 
 log = logging.getLogger(__name__)
 

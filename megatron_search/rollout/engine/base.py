@@ -14,7 +14,7 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from .types import GenerateRequest, GenerateResult
+from megatron_search.rollout.engine.types import GenerateRequest, GenerateResult
 
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["weights", "kv_cache"]

@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from .engine import Engine, EngineError, ModelInfo
-from .types import FinishReason, GenerateRequest, GenerateResult
+from megatron_search.rollout.engine.base import Engine, EngineError, ModelInfo
+from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 
 Responder = Callable[[list[int]], list[int]]
 

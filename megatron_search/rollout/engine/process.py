@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from .auth import bearer_header, key_from_env
-from .engine import EngineError
+from megatron_search.rollout.engine.auth import bearer_header, key_from_env
+from megatron_search.rollout.engine.base import EngineError
 
 class ServerProcess:
     """One server subprocess (own process group, own log file) and its base URL."""

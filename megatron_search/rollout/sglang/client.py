@@ -8,9 +8,9 @@ pass `moe_shape` for SGLang servers (the local server reports it). Servers run a
 `sglang_command` builds the launch line from the config; `launch_router` fronts several servers
 with sglang-router.
 
-Engines are authenticated (rollout/auth.py): a client sends `Authorization: Bearer <key>` (its
+Engines are authenticated (rollout/engine/auth.py): a client sends `Authorization: Bearer <key>` (its
 `api_key`, default the key in the variable `auth.use_key_env` names); the servers started here get
-the job's key through the environment (`auth.job_key`), SGLang through rollout/sglang_serve.py, so
+the job's key through the environment (`auth.job_key`), SGLang through rollout/sglang/serve.py, so
 no key is ever on a command line; the key is never logged or shown in a repr.
 """
 from __future__ import annotations
@@ -25,12 +25,13 @@ from typing import Any, Literal, Optional, Sequence
 
 import aiohttp
 
-from .auth import bearer_header, client_key_env, job_key, key_from_env
-from .engine import (LOCAL_ENGINE_NAME, Engine, EngineError, EngineTimeout, EngineUnreachable, MalformedReply,
-                     MemoryTag, ModelInfo, PauseMode, decode_routed_experts)
-from .process import ENGINE_PORT_STRIDE, ServerProcess
-from .tensor_payload import LOCAL_TENSOR_FORMAT, serialize_named_tensors
-from .types import FinishReason, GenerateRequest, GenerateResult
+from megatron_search.rollout.engine.auth import bearer_header, client_key_env, job_key, key_from_env
+from megatron_search.rollout.engine.base import (LOCAL_ENGINE_NAME, Engine, EngineError, EngineTimeout,
+                                                 EngineUnreachable, MalformedReply, MemoryTag, ModelInfo, PauseMode,
+                                                 decode_routed_experts)
+from megatron_search.rollout.engine.process import ENGINE_PORT_STRIDE, ServerProcess
+from megatron_search.rollout.engine.tensor_payload import LOCAL_TENSOR_FORMAT, serialize_named_tensors
+from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 
 TensorFormat = Literal["auto", "safetensors_base64", "sglang"]
 
@@ -74,7 +75,7 @@ class SGLangClient(Engine):
         return self._session
 
     async def _call(self, path: str, payload: Optional[dict] = None, method: str = "POST") -> Any:
-        """One request. Failures by class (rollout/failures.py): EngineTimeout, EngineUnreachable (no complete
+        """One request. Failures by class (rollout/engine/failures.py): EngineTimeout, EngineUnreachable (no complete
         answer), EngineError (an error status or `success: false`), MalformedReply (a JSON answer that does not parse)."""
         url = f"{self.base_url}{path}"
         try:
@@ -286,7 +287,7 @@ class SGLangClient(Engine):
 
     async def health_generate(self) -> None:
         """SGLang's heartbeat: GET /health_generate answers 200 once the scheduler produces output (its own
-        one-token request, or any running one); raises EngineError otherwise (rollout/health.py times it)."""
+        one-token request, or any running one); raises EngineError otherwise (rollout/engine/health.py times it)."""
         await self._call("/health_generate", method="GET")
 
     async def get_model_info(self) -> ModelInfo:
@@ -332,12 +333,12 @@ def sglang_command(
 ) -> list[str]:
     """`python -m sglang.launch_server` argv for one server from an `SGLangConfig`; engines that share a node
     pass disjoint `base_gpu_id`s (the server uses GPUs base_gpu_id .. base_gpu_id + TP x DP - 1). With
-    `api_key_env` the server starts through rollout/sglang_serve.py, which gives SGLang the key in `$api_key_env`
+    `api_key_env` the server starts through rollout/sglang/serve.py, which gives SGLang the key in `$api_key_env`
     as its --api-key without it ever being in argv or the log. `routed_experts`: the server records every token's
     experts, so requests may ask for them (routing replay or agreement; without it SGLang returns none)."""
     head = [sys.executable, "-m", "sglang.launch_server"]
     if api_key_env:
-        head = [sys.executable, "-m", "megatron_search.rollout.sglang_serve", "--api-key-env", api_key_env]
+        head = [sys.executable, "-m", "megatron_search.rollout.sglang.serve", "--api-key-env", api_key_env]
     argv = [
         *head,
         "--model-path", model_path,
@@ -398,7 +399,7 @@ def launch_router(worker_urls: Sequence[str], host: str, port: int, log_path: st
     head = [sys.executable, "-m", "sglang_router.launch_router"]
     env = None
     if api_key_env:
-        head = [sys.executable, "-m", "megatron_search.rollout.sglang_serve", "--api-key-env", api_key_env,
+        head = [sys.executable, "-m", "megatron_search.rollout.sglang.serve", "--api-key-env", api_key_env,
                 "--module", "sglang_router.launch_router"]
         env = dict(os.environ)
         env[api_key_env] = job_key(api_key_env)

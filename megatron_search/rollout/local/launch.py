@@ -1,4 +1,4 @@
-"""Start the local engine server (rollout/local_server.py) as a subprocess and wait until it is healthy."""
+"""Start the local engine server (rollout/local/server.py) as a subprocess and wait until it is healthy."""
 from __future__ import annotations
 
 import os
@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .auth import check_key, client_key_env, job_key
-from .engine import EngineError
-from .process import ServerProcess
+from megatron_search.rollout.engine.auth import check_key, client_key_env, job_key
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.process import ServerProcess
 
 
 def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] = (), log_path: str | Path = "local_engine.log",
@@ -25,7 +25,7 @@ def launch_local_server(config: Optional[str] = None, overrides: Sequence[str] =
     key_env = api_key_env or client_key_env()
     env = dict(os.environ if env is None else env)
     env[key_env] = check_key(api_key, "launch_local_server(api_key=...)") if api_key else job_key(key_env)
-    argv = [sys.executable, "-m", "megatron_search.rollout.local_server"]
+    argv = [sys.executable, "-m", "megatron_search.rollout.local.server"]
     argv += ([config] if config else []) + list(overrides) + ["--host", host, "--port", "0", "--port-file", str(port_file),
                                                               "--api-key-env", key_env]
     if tokenizer:

@@ -24,10 +24,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from .agent import AgentTask, SearchAgent
-from .engine import EngineError
-from .health import UP, EngineHealth
-from .types import Rollout
+from megatron_search.rollout.agent.loop import AgentTask, SearchAgent
+from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.health import UP, EngineHealth
+from megatron_search.rollout.engine.types import Rollout
 
 
 @dataclass
