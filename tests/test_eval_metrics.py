@@ -120,7 +120,7 @@ def test_report_sbs_pairs_file_and_scorer(tmp_path):
               row(model="base", b=2, i="a", pred="A0"), row(model="base", b=2, i="b", pred="B0")]:
         store.add(r)
     cfg = load_config(None, [])
-    rep = make_report(cfg, store, tmp_path, ["cand", "base"], ["budget"], {"cand": "gpt-5"}, "base", None, 2,
+    rep = make_report(cfg.eval, store, tmp_path, ["cand", "base"], ["budget"], {"cand": "gpt-5"}, "base", None, 2,
                       language=False, tensorboard=False)
     pairs = [__import__("json").loads(l) for l in open(rep["deployment"]["cand"]["sbs_pairs"])]
     assert [(p["candidate"], p["baseline"]) for p in pairs] == [("A1", "A0"), ("B1", "B0")]
@@ -132,12 +132,12 @@ def test_report_sbs_pairs_file_and_scorer(tmp_path):
         def p_bar(self, ctx, cand, base):
             return torch.tensor([0.75] * len(cand))
 
-    rep = make_report(cfg, store, tmp_path, ["cand", "base"], ["budget"], {}, "base", Scorer(), 2,
+    rep = make_report(cfg.eval, store, tmp_path, ["cand", "base"], ["budget"], {}, "base", Scorer(), 2,
                       language=False, tensorboard=False)
     assert rep["deployment"]["cand"]["sbs"]["sbs"] == 0.75 and rep["deployment"]["cand"]["sbs"]["baseline"] == "base"
     assert "| cand | sbs vs base | 0.750 |" in (tmp_path / "report.md").read_text()
     with pytest.raises(ValueError, match="no row"):
-        make_report(cfg, store, tmp_path, ["cand"], ["budget"], {"cand": "gpt-99"}, None, None, None,
+        make_report(cfg.eval, store, tmp_path, ["cand"], ["budget"], {"cand": "gpt-99"}, None, None, None,
                     language=False, tensorboard=False)
 
 

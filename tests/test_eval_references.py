@@ -88,7 +88,7 @@ def test_make_report_overlays_by_default_and_can_leave_them_out(tmp_path):
                    "exact": False, "substring": False, "f1": 0.0, "tool_calls": 2, "broken": {}, "prediction": "x",
                    "question": "q?", "tokens_in": 30_000, "tokens_out": 1_000, "protocol": "frames"})
     cfg = load_config(None, [])
-    rep = make_report(cfg, store, tmp_path, ["m"], ["budget"], {"m": "qwen3.5-397b-a17b"}, None, None, None,
+    rep = make_report(cfg.eval, store, tmp_path, ["m"], ["budget"], {"m": "qwen3.5-397b-a17b"}, None, None, None,
                       language=False, tensorboard=False)
     pt = rep["budget_curve"]["m"]["frames"][4]
     assert pt["accuracy"] == 0.5 and pt["cents_per_query"] == pytest.approx(2.16) and pt["protocols"] == ["frames"]
@@ -97,7 +97,7 @@ def test_make_report_overlays_by_default_and_can_leave_them_out(tmp_path):
     assert "| model | b=1 | b=4 |" in md and "| m | - | 50.0 / 2.16c |" in md  # ours at b=4 beside theirs
     assert f"| write-up: {LARGE} | 57.3 | 73.9 / 2.00c |" in md
     assert "secondary source" in md  # the price row's note is shown
-    rep = make_report(cfg, store, tmp_path, ["m"], ["budget"], {}, None, None, None, language=False, tensorboard=False,
+    rep = make_report(cfg.eval, store, tmp_path, ["m"], ["budget"], {}, None, None, None, language=False, tensorboard=False,
                       references=None)
     assert "references" not in rep and "write-up" not in (tmp_path / "report.md").read_text()
 

@@ -167,7 +167,7 @@ def test_bad_inputs_fail_clearly(tmp_path, tok_dir):
     (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     cfg = sft_config(tmp_path, {"x.jsonl": 1.0}, ["model.tokenizer=qwen"])
     with pytest.raises(DataError, match="only 2048 embeddings"):
-        tokenizer_for(cfg)
+        tokenizer_for(cfg.model)
 
 
 def test_data_order_does_not_depend_on_where_the_files_live(tok_dir):

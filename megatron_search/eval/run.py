@@ -79,24 +79,25 @@ def open_engine(spec: ModelSpec, cfg) -> tuple[Engine, bool]:
                        prefix_cache_entries=lc.prefix_cache_entries), True
 
 
-def _backend(cfg, index_dir: Optional[str], backend: Optional[SearchBackend]) -> SearchBackend:
+def _backend(search, index_dir: Optional[str], backend: Optional[SearchBackend]) -> SearchBackend:
+    """`backend`, or a local index at `index_dir`, or the backend a SearchConfig names."""
     if backend is not None:
         return backend
     if index_dir is not None:
-        return LocalSearchBackend.load(index_dir, cfg.search.snippet_chars)
-    return build_backend(cfg.search)
+        return LocalSearchBackend.load(index_dir, search.snippet_chars)
+    return build_backend(search)
 
 
-def _corpus_docs(cfg, index_dir: Optional[str], corpus: Optional[str]) -> list[dict]:
+def _corpus_docs(search, index_dir: Optional[str], corpus: Optional[str]) -> list[dict]:
     """The documents the abstention set withholds from (a local index's docs.jsonl, or a corpus JSONL)."""
     if corpus is not None:
         return list(read_corpus(corpus))
-    idx = index_dir or cfg.search.index_dir
+    idx = index_dir or search.index_dir
     if idx is not None and (Path(idx) / "docs.jsonl").is_file():
         with open(Path(idx) / "docs.jsonl", encoding="utf-8") as f:
             return [json.loads(l) for l in f if l.strip()]
-    if cfg.search.corpus is not None:
-        return list(read_corpus(cfg.search.corpus))
+    if search.corpus is not None:
+        return list(read_corpus(search.corpus))
     raise ValueError("abstention: needs the corpus (a local index dir with docs.jsonl, or a corpus JSONL) to "
                      "withhold evidence from")
 
@@ -180,11 +181,11 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
         "system_prompt": system_prompt, "chat_style": cfg.model.chat_style, "max_turns": cfg.rollout.max_turns,
     })
     store = ResultStore(out / "results.jsonl")
-    base_backend = _backend(cfg, index_dir, backend)
+    base_backend = _backend(cfg.search, index_dir, backend)
     tool = SearchTool(base_backend, ec.max_results, cfg.search.max_query_chars, ec.max_calls)
     withheld_tool = None
     if "abstention" in variants:
-        kept, removed = withhold_evidence(_corpus_docs(cfg, index_dir, corpus), examples)
+        kept, removed = withhold_evidence(_corpus_docs(cfg.search, index_dir, corpus), examples)
         log.info("abstention: withheld %d evidence documents, %d left", len(removed), len(kept))
         withheld_tool = SearchTool(LocalSearchBackend.from_docs(kept, cfg.search.snippet_chars), ec.max_results,
                                    cfg.search.max_query_chars, ec.max_calls)
@@ -223,17 +224,16 @@ async def evaluate_async(cfg, models: dict[str, ModelSpec], benchmarks: Sequence
                 await client.close()
 
     await run_all()
-    return make_report(cfg, store, out, list(models), variants, prices or {}, sbs_baseline, sbs_scorer,
+    return make_report(cfg.eval, store, out, list(models), variants, prices or {}, sbs_baseline, sbs_scorer,
                        sbs_budget if sbs_budget is not None else (max(budgets) if budgets else None),
                        language, tensorboard, status, references=references)
 
 
-def make_report(cfg, store: ResultStore, out: Path, models: list[str], variants: Sequence[str],
+def make_report(ec, store: ResultStore, out: Path, models: list[str], variants: Sequence[str],
                 prices: dict[str, str], sbs_baseline: Optional[str], sbs_scorer, sbs_budget: Optional[int],
                 language: bool, tensorboard: bool, status: Optional[dict] = None,
                 references: Optional[str | Path] = DEFAULT_REFERENCES) -> dict:
-    """Aggregate every result of `models` on file into the report and write the outputs."""
-    ec = cfg.eval
+    """Aggregate every result of `models` on file into the report and write the outputs (`ec`: the EvalConfig)."""
     rows = [r for r in store.rows() if r["model"] in models]
     curve = budget_curve(rows)
     table = load_prices(ec.prices)

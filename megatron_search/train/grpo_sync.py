@@ -39,11 +39,11 @@ def node_ids() -> list[int]:
     return [ids.setdefault(n, len(ids)) for n in names]
 
 
-def engine_nodes(cfg, n_engines: int, rank_node: Sequence[int]) -> Optional[list[int]]:
-    """Colocated: the node each engine runs on (see module doc); disaggregated: None."""
-    if cfg.rollout.mode != "colocated":
+def engine_nodes(rollout, n_engines: int, rank_node: Sequence[int]) -> Optional[list[int]]:
+    """Colocated (a RolloutConfig's mode): the node each engine runs on (see module doc); disaggregated: None."""
+    if rollout.mode != "colocated":
         return None
-    if cfg.rollout.engine_urls:
+    if rollout.engine_urls:
         n_nodes = max(rank_node) + 1
         return [i * n_nodes // n_engines for i in range(n_engines)]
     return [rank_node[0]] * n_engines
@@ -67,7 +67,7 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
     if r.engine == "vllm":
         clients = [VLLMClient(u, r.vllm.request_timeout_s, moe_shape) for u in urls]
     rank_node = node_ids()
-    engine_node = engine_nodes(cfg, len(clients), rank_node)
+    engine_node = engine_nodes(cfg.rollout, len(clients), rank_node)
     mode = r.resolved_weight_sync()
     sync = WeightSync(
         clients, mode, bucket_bytes=cfg.weight_bucket_bytes(), inflight=r.inflight_on_update,

@@ -43,7 +43,7 @@ TB_TAGS = {
 
 def build_batcher(cfg):
     s = cfg.sft
-    return SFTBatcher(load_sft_datasets(s.datasets), s.datasets, tokenizer_for(cfg), chat_format_for(cfg),
+    return SFTBatcher(load_sft_datasets(s.datasets), s.datasets, tokenizer_for(cfg.model), chat_format_for(cfg.model),
                       s.seq_length, s.global_batch_size, s.packing, cfg.run.seed,
                       trim_multiple=cfg.parallel.sequence_multiple if s.trim_padding else None)
 
@@ -60,7 +60,7 @@ def build_skill_check(cfg):
     """The sft.skill_check of this run (None when unset), with the run's tokenizer and chat format."""
     if not cfg.sft.skill_check.path:
         return None
-    return SkillCheck(cfg, ChatEncoder(tokenizer_for(cfg), chat_format_for(cfg)))
+    return SkillCheck(cfg, ChatEncoder(tokenizer_for(cfg.model), chat_format_for(cfg.model)))
 
 
 def _agreed_min(value: float) -> float:

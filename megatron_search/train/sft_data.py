@@ -48,16 +48,16 @@ class TokenizedExample:
     mask: list[int]
 
 
-def chat_format_for(cfg) -> ChatFormat:
-    """The chat format of cfg.model.chat_style (default think mode of that style)."""
-    return ChatFormat(cfg.model.chat_style)
+def chat_format_for(model) -> ChatFormat:
+    """The chat format of a ModelConfig's chat_style (default think mode of that style)."""
+    return ChatFormat(model.chat_style)
 
 
-def tokenizer_for(cfg) -> ChatTokenizer:
-    """cfg.model.tokenizer loaded and checked against the model's vocabulary."""
-    spec = cfg.model.tokenizer
+def tokenizer_for(model) -> ChatTokenizer:
+    """A ModelConfig's tokenizer, loaded and checked against the model's vocabulary."""
+    spec = model.tokenizer
     tok = load_tokenizer(spec)
-    vocab = cfg.model.architecture.vocab_size
+    vocab = model.architecture.vocab_size
     if tok.vocab_size > vocab:
         raise DataError(f"model.tokenizer {spec!r} has {tok.vocab_size} ids but the model has only {vocab} embeddings "
                         "(the tiny models need the demo BPE: model.tokenizer=<path of its tokenizer.json>)")

@@ -47,23 +47,23 @@ def _barrier() -> None:
         coll.barrier()
 
 
-def check_architecture(cfg, hf_config_path: Path) -> None:
-    """The architecture of cfg.model must equal the one stored with the checkpoint."""
+def check_architecture(model, hf_config_path: Path) -> None:
+    """The architecture of a ModelConfig must equal the one stored with the checkpoint."""
     stored = architecture_from_hf(load_hf_config(hf_config_path), where=str(hf_config_path))
-    want = cfg.model.architecture
+    want = model.architecture
     if stored != want:
         diffs = [f"{k}: checkpoint {getattr(stored, k)} vs config {getattr(want, k)}"
                  for k in stored.__dataclass_fields__ if getattr(stored, k) != getattr(want, k)]
         raise CheckpointMismatchError(
             f"{hf_config_path}: the checkpoint's architecture does not match model.hf_config "
-            f"({cfg.model.hf_config}): " + "; ".join(diffs)
+            f"({model.hf_config}): " + "; ".join(diffs)
         )
 
 
 def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progress: bool = True) -> None:
     """Convert an HF safetensors directory to a Megatron distributed checkpoint (collective)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    check_architecture(cfg, hf_dir / "config.json")
+    check_architecture(cfg.model, hf_dir / "config.json")
     arch = cfg.model.architecture
     source = HFTensorSource.from_dir(hf_dir)
     chunks = build_model_chunks(cfg, groups)
@@ -99,7 +99,7 @@ def load_mcore_checkpoint(cfg, ckpt_dir: str | Path, groups) -> list[torch.nn.Mo
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a Megatron distributed checkpoint (no metadata.json)")
     if (ckpt_dir / EXTRA_DIR / "config.json").is_file():
-        check_architecture(cfg, ckpt_dir / EXTRA_DIR / "config.json")
+        check_architecture(cfg.model, ckpt_dir / EXTRA_DIR / "config.json")
     chunks = build_model_chunks(cfg, groups)
     sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
