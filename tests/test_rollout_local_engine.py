@@ -268,10 +268,10 @@ def test_cached_states_own_their_memory(qwen3):
 # (sglang/srt/managers/scheduler_components/weight_updater.py: sessions, flush after update;
 #  scheduler.py: flush_cache and release_memory_occupation only when idle; resume of an unreleased tag)
 
-async def _running_request(eng, prompt):
+async def _running_request(eng, prompt, max_new_tokens: int = 2000):
     """A long request that is being decoded (in the running batch) when this returns."""
     steps = eng.steps
-    task = asyncio.ensure_future(eng.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=2000))))
+    task = asyncio.ensure_future(eng.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=max_new_tokens))))
     while eng.steps < steps + 2:
         await asyncio.sleep(0.01)
     return task
@@ -310,7 +310,7 @@ def test_flush_while_requests_are_held_in_place_is_refused_and_retract_makes_it_
     lm = [("lm_head.weight", eng.runner.model.lm_head.weight.detach().clone())]
 
     async def scenario():
-        task = await _running_request(eng, p)
+        task = await _running_request(eng, p, max_new_tokens=64)  # it finishes after the update: keep it short
         await eng.pause_generation("in_place")  # the request keeps its KV in the running batch
         with pytest.raises(EngineError, match="Cache not flushed"):
             await eng.flush_cache()

@@ -246,6 +246,26 @@ def build_send_plan(params: Sequence[ParamShards], destinations: Sequence[Destin
                 load.move(src, sender, p.shard_bytes[i], rank_node[src] == rank_node[sender], sign)
         load.deliver(sender, p.hf_bytes * fanout, sign)
 
+    nic_cost, nvl_cost, nvl_delivery = costs.nic, costs.nvlink, costs.delivery == "nvlink"
+
+    def candidate_key(p: ParamShards, fanout: int, sender: int, sources: list[int]) -> tuple:
+        """(busiest, total) link time of the ranks `take` would touch, and the sender: what `take(+1)` then
+        `links.time` would give, without changing `links` (the greedy tries every allowed sender)."""
+        extra = {sender: [0, 0, 0, 0]}  # bytes added per direction: NIC out, NIC in, NVLink out, NVLink in
+        for i, src in enumerate(sources):
+            if src != sender:
+                b = p.shard_bytes[i]
+                pair = (2, 3) if rank_node[src] == rank_node[sender] else (0, 1)
+                extra.setdefault(src, [0, 0, 0, 0])[pair[0]] += b
+                extra[sender][pair[1]] += b
+        extra[sender][2 if nvl_delivery else 0] += p.hf_bytes * fanout
+        times = {}
+        for r, (no, ni, vo, vi) in extra.items():
+            times[r] = max(max(links.nic_out[r] + no, links.nic_in[r] + ni) * nic_cost,
+                           max(links.nvl_out[r] + vo, links.nvl_in[r] + vi) * nvl_cost)
+        touched = {sender, *sources}  # summed in this set's order, as links.time over it would be
+        return max(times[r] for r in touched), sum(times[r] for r in touched), sender
+
     for d, dest in enumerate(plan.destinations):
         allowed = _sort_ranks(dest.ranks)
         if not allowed:
@@ -255,10 +275,7 @@ def build_send_plan(params: Sequence[ParamShards], destinations: Sequence[Destin
             best = None
             for s in allowed:
                 sources = sources_for(p, s)
-                take(links, p, dest.fanout, s, sources, +1)
-                touched = {s, *sources}
-                key = (max(links.time(r) for r in touched), sum(links.time(r) for r in touched), s)
-                take(links, p, dest.fanout, s, sources, -1)
+                key = candidate_key(p, dest.fanout, s, sources)
                 if best is None or key < best[0]:
                     best = (key, s, sources)
             _, sender, sources = best
