@@ -157,7 +157,7 @@ def rewarded_rate(fx: dict, hf_dir: str | Path, samples: int = 4, seed: int = 0,
 
     cfg = load_config(CONFIG, grpo_overrides(fx, "eval", 1, 1e-3, seed, extra))
     engine = LocalEngine(hf_dir, dtype="float32", seed=seed)
-    agent = SearchAgent(engine, build_encoder(cfg), SearchTool.from_config(cfg.search),
+    agent = SearchAgent(engine, build_encoder(cfg.model), SearchTool.from_config(cfg.search),
                         AgentSettings.for_training(cfg.rollout))
     tasks = [AgentTask(with_system_prompt(MixItem(f"t{i}", "qa", "qa", [{"role": "user", "content": q}])).messages,
                        seed=seed * 100_003 + i * samples + k)

@@ -279,6 +279,6 @@ def test_grpo_mix_reads_a_hub_layout_folder(tmp_path):
     hub = tmp_path / "qa"
     write_parquet(hub / "data" / "train-00000-of-00001.parquet", QA)
     cfg = load_config(None, [f"data.qa_path={hub}", "data.mix={qa: 1.0}"])
-    items = build_mix_sampler(cfg).take(3)
+    items = build_mix_sampler(cfg.data).take(3)
     assert sorted(it.id for it in items) == ["q1", "q1", "q1"]  # the only train-split record, drawn each epoch
     assert items[0].messages[-1] == {"role": "user", "content": QA[0]["question"]}

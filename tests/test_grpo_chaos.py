@@ -180,7 +180,7 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity
     assert "1 of 2 engines down after recovery (engine 1: " in err and "step_00000003" in err
     assert len(scalars(out, "reward/mean")) == 3 and not (out / "final_weights").exists()
     meta = json.loads((out / "checkpoints" / "step_00000003" / "trainer.json").read_text())
-    sampler = build_mix_sampler(load_config(None, grpo_overrides(fx, out, steps) + run))
+    sampler = build_mix_sampler(load_config(None, grpo_overrides(fx, out, steps) + run).data)
     for _ in range(3):
         sampler.take(PROMPTS)
     assert meta["iteration"] == 3 and meta["extra"]["sampler"] == json.loads(json.dumps(sampler.state_dict()))

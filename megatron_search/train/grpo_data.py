@@ -31,11 +31,11 @@ def build_eval_items(cfg) -> list[MixItem]:
     return items
 
 
-def build_mix_sampler(cfg) -> MixSampler:
+def build_mix_sampler(d) -> MixSampler:
     """A MixSampler over data.qa_path (QA records) and data.rubric_path (rubric rows), weighted by
     data.mix. Every dataset the mix weighs must have at least one train item (that it has a path is a config
-    check, config.stage_problems). Paths are files or folders read through `datasets` (data/hf_datasets.py)."""
-    d = cfg.data
+    check, config.stage_problems). Paths are files or folders read through `datasets` (data/hf_datasets.py).
+    `d`: the DataConfig."""
     paths = {"qa": d.qa_path, "rubric": d.rubric_path}
     datasets = {}
     for name, weight in d.mix.items():

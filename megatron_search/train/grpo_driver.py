@@ -54,8 +54,9 @@ from megatron_search.search.tool import SearchTool
 from .scoring import rubric_jobs
 
 
-def build_encoder(cfg) -> ChatEncoder:
-    return ChatEncoder(load_tokenizer(cfg.model.tokenizer), ChatFormat(style=cfg.model.chat_style))
+def build_encoder(model) -> ChatEncoder:
+    """The token encoder of a ModelConfig: its tokenizer and chat style."""
+    return ChatEncoder(load_tokenizer(model.tokenizer), ChatFormat(style=model.chat_style))
 
 
 @dataclass
@@ -74,7 +75,7 @@ class RolloutDriver:
     def __init__(self, cfg, output_dir: Path, engines, reference: Optional[Engine]):
         self.cfg = cfg
         self.loop = asyncio.new_event_loop()
-        self.encoder = build_encoder(cfg)
+        self.encoder = build_encoder(cfg.model)
         self.tool = SearchTool.from_config(cfg.search)
         settings = AgentSettings.for_training(cfg.rollout, cfg.grpo.wants_routed_experts())
         self.rollout_engines = engines  # rollout.launch.RolloutEngines

@@ -108,7 +108,7 @@ class GRPORun:
         else:  # rollout_engines: answered up front by the rollout engines (the first step's rollouts)
             reference = None
         self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
-        self.sampler = build_mix_sampler(self.cfg)
+        self.sampler = build_mix_sampler(self.cfg.data)
         if "sampler" in extra:
             self.sampler.load_state_dict(extra["sampler"])
         if self.cfg.grpo.eval_interval:

@@ -50,7 +50,7 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer_enabled(cfg),
+        use_distributed_optimizer=distributed_optimizer_enabled(cfg.parallel),
         check_for_nan_in_grad=True,
     )
     wrapped = [
@@ -62,8 +62,9 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
     return wrapped
 
 
-def distributed_optimizer_enabled(cfg) -> bool:
-    return bool(cfg.parallel.distributed_optimizer)
+def distributed_optimizer_enabled(parallel) -> bool:
+    """A ParallelConfig's distributed_optimizer switch."""
+    return bool(parallel.distributed_optimizer)
 
 
 def make_optimizer(cfg, ddp_chunks: list):
@@ -81,7 +82,7 @@ def make_optimizer(cfg, ddp_chunks: list):
         bf16=m.params_dtype == "bfloat16",
         fp16=m.params_dtype == "float16",
         params_dtype=getattr(torch, m.params_dtype),
-        use_distributed_optimizer=distributed_optimizer_enabled(cfg),
+        use_distributed_optimizer=distributed_optimizer_enabled(cfg.parallel),
     )
     return get_megatron_optimizer(ocfg, ddp_chunks)
 
