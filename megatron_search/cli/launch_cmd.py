@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
         print(to_shell(plan))
         return 0
     print(describe(plan))
-    missing = [p for p in stage_problems(cfg, args.stage, None) if p not in stage_problems(cfg, args.stage, None, False)]
+    settings = stage_problems(cfg, args.stage, None, inputs=False)
+    missing = [p for p in stage_problems(cfg, args.stage, None) if p not in settings]
     if missing:
         print("to set before submitting:\n  " + "\n  ".join(missing))
     if cfg.rollout.engine == "sglang" or cfg.cluster.gpus_per_node > 1:

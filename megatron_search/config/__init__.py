@@ -1,6 +1,6 @@
 """One typed config schema for every stage (see schema.Config), YAML + dotted overrides."""
 from .hf import Architecture, HFConfigError, architecture_from_hf, load_hf_config
-from .loader import ConfigError, apply_overrides, config_from_dict, dump_config, load_config, require_stage
+from .loader import ConfigError, apply_overrides, config_from_dict, dump_config, load_config
 from .schema import STAGES, Config, layout_problems, stage_problems
 
 __all__ = [
@@ -15,7 +15,6 @@ __all__ = [
     "layout_problems",
     "load_config",
     "load_hf_config",
-    "require_stage",
     "stage_problems",
     "STAGES",
 ]

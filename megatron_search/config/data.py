@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator,
+                      model_validator)
 
 from .base import Section
 
@@ -127,4 +128,3 @@ class DataConfig(Section):
         if negative:
             raise ValueError(f"negative weight(s) {negative}")
         return mix
-

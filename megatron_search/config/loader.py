@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from .schema import Config, stage_problems
+from .schema import Config
 
 
 class ConfigError(ValueError):
@@ -85,14 +85,6 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), s
             raise ConfigError([f"{path}: top level must be a mapping"], source)
         data = loaded or {}
     return config_from_dict(apply_overrides(data, overrides), source, stage)
-
-
-def require_stage(cfg: Config, stage: str, world_size: int | None = None) -> None:
-    """A job's first check: everything `stage` needs of `cfg` (at the real world size when given), every
-    problem on its own line, as load_config reports them."""
-    problems = stage_problems(cfg, stage, world_size)
-    if problems:
-        raise ConfigError(problems, f"{stage} config")
 
 
 def dump_config(cfg: Config) -> str:

@@ -50,10 +50,6 @@ class GRPOConfig(Section):
     routing_agreement: bool = Field(
         False, description="with routing replay off, also fetch the engine's experts and log how often training "
         "routes each token alike (train/routing_agreement)")
-
-    def wants_routed_experts(self) -> bool:
-        """The engines must record each token's experts (--enable-return-routed-experts): replay or agreement."""
-        return self.routing_replay or self.routing_agreement
     reference_urls: list[str] = Field(
         default_factory=list,
         description="engine(s) serving the frozen reference model whose answers s is measured against "
@@ -64,3 +60,7 @@ class GRPOConfig(Section):
         "initial policy (small models only); rollout_engines = every reference answer of the run generated up "
         "front on the rollout engines while they still hold the initial policy; auto = in_process up to "
         "2B parameters, else rollout_engines")
+
+    def wants_routed_experts(self) -> bool:
+        """The engines must record each token's experts (--enable-return-routed-experts): replay or agreement."""
+        return self.routing_replay or self.routing_agreement

@@ -6,7 +6,7 @@ line naming the field, so one failed load shows everything that needs fixing.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import Field, ValidationInfo, model_validator
 
@@ -87,7 +87,6 @@ class Config(Section):
         return world_size // (p.tp * p.pp * p.cp)
 
 
-Stage = Literal["sft", "rm", "grpo"]
 STAGES: tuple[str, ...] = ("sft", "rm", "grpo")
 IN_PROCESS_REFERENCE_MAX_PARAMS = 2_000_000_000  # a transformers model on rank 0 beyond this is not a reference engine
 
