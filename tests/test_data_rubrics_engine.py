@@ -12,16 +12,16 @@ import asyncio
 import pytest
 from aiohttp import web
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.rubric_checks import check_rubric
 from megatron_search.data.rubric_demo import demo_rubric_rows
 from megatron_search.data.rubrics import RubricItem, RubricPipeline, calibration_keep, item_from_row
 from megatron_search.data.world import build_world
 from megatron_search.rollout.local.chat_endpoint import ChatEndpoint
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.local.engine import LocalEngine
 from megatron_search.rollout.local.server import build_app
-from megatron_search.chat.tokenizer import BPETokenizer
 
 MODEL = "configs/models/tiny_qwen3_moe"
 

@@ -6,12 +6,12 @@ from dataclasses import asdict
 
 import pytest
 
+from megatron_search.chat.format import ChatFormat
 from megatron_search.cli import main
 from megatron_search.data.mix import MixItem, MixSampler
 from megatron_search.data.records import QARecord
 from megatron_search.data.sft import SFTBuilder
 from megatron_search.data.world import build_world
-from megatron_search.chat.format import ChatFormat
 from megatron_search.search.local import LocalSearchBackend
 from megatron_search.search.tool import SearchTool, format_results
 

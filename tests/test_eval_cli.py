@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.cli import main
 from megatron_search.cli.eval_cmd import parse_budgets
-from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.search.local import build_index
 
 FIX = Path(__file__).parent / "fixtures" / "eval"

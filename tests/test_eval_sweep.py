@@ -5,12 +5,12 @@ import re
 
 import pytest
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
 from megatron_search.config import load_config
 from megatron_search.eval import BenchmarkSpec, evaluate
 from megatron_search.eval.results import ResultStore
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.local.scripted import ScriptedEngine
-from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
 from megatron_search.search.local import LocalSearchBackend
 
 QA = [  # id, question, answer, has a supporting document

@@ -6,8 +6,8 @@ import inspect
 import pytest
 import torch
 
-from megatron_search.rm.service import PreferenceService, ReferenceCache, agent_reference_generator
 from megatron_search.rewards.preference import PreferenceScorer
+from megatron_search.rm.service import PreferenceService, ReferenceCache, agent_reference_generator
 
 
 def test_service_signature_matches_the_grpo_protocol():

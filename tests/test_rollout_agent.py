@@ -8,10 +8,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.chat.format import ChatFormat
-from megatron_search.rollout.local.scripted import ScriptedEngine, scripted_experts, scripted_logprob
 from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
+from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
+from megatron_search.rollout.local.scripted import ScriptedEngine, scripted_experts, scripted_logprob
 from megatron_search.search.base import SearchBackend, SearchBackendError, SearchResult
 from megatron_search.search.tool import SearchTool
 

@@ -8,14 +8,14 @@ import asyncio
 
 import pytest
 
-from megatron_search.config.rollout import EngineHealthConfig
-from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
+from megatron_search.config.rollout import EngineHealthConfig
 from megatron_search.rollout.agent.dispatch import Dispatcher
+from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.engine.base import EngineError
 from megatron_search.rollout.engine.health import DOWN, STALE, UP, EngineHealth
 from megatron_search.rollout.local.scripted import ScriptedEngine
-from megatron_search.chat.tokenizer import ChatEncoder, QwenTokenizer
 from megatron_search.search.base import SearchBackend
 from megatron_search.search.tool import SearchTool
 

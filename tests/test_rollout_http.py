@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder
+from megatron_search.config import load_config
 from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.engine.auth import bearer_header, key_from_env
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.engine.base import EngineError
-from megatron_search.rollout.local.runner import load_hf_model
-from megatron_search.config import load_config
-from megatron_search.rollout.launch import start_engines
-from megatron_search.rollout.sglang.client import SGLangClient
-from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.launch import start_engines
+from megatron_search.rollout.local.runner import load_hf_model
 from megatron_search.rollout.local.weights import weights_sha256
+from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.sglang.weight_group import FLAT, open_weight_group, send_flat_bucket, send_named_tensors
 from megatron_search.search.base import SearchBackend, SearchResult
 from megatron_search.search.tool import SearchTool

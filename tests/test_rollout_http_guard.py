@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import save
 
 from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.local.launch import launch_local_server
 from megatron_search.rollout.local.runner import load_hf_model
 from megatron_search.rollout.sglang.client import SGLangClient
-from megatron_search.rollout.local.launch import launch_local_server
-from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.multiprocess
 

@@ -24,16 +24,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder, QwenTokenizer
 from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.engine.auth import bearer_header, key_from_env
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.engine.base import EngineError, MalformedReply
 from megatron_search.rollout.engine.failures import FAILURE_KINDS, RolloutFailed, failure_counts
+from megatron_search.rollout.engine.types import GenerateRequest, Rollout, SamplingParams
+from megatron_search.rollout.local.launch import launch_local_server
 from megatron_search.rollout.local.scripted import ScriptedEngine
 from megatron_search.rollout.sglang.client import SGLangClient
-from megatron_search.rollout.local.launch import launch_local_server
-from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder, QwenTokenizer
-from megatron_search.rollout.engine.types import GenerateRequest, Rollout, SamplingParams
 from megatron_search.search.base import SearchBackend, SearchResult
 from megatron_search.search.searxng import SearxngBackend
 from megatron_search.search.tool import SearchTool

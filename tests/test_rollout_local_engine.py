@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_search.rollout.engine.base import EngineError
-from megatron_search.rollout.local.engine import LocalEngine
-from megatron_search.rollout.local.runner import load_hf_model
 from megatron_search.rollout.engine.tensor_payload import WeightUpdateError
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.runner import load_hf_model
 
 MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}
 

@@ -8,10 +8,10 @@ import pytest
 from aiohttp import web
 
 from megatron_search.rollout.engine.base import MalformedReply
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.local.engine import LocalEngine
 from megatron_search.rollout.local.server import build_app
 from megatron_search.rollout.sglang.client import SGLangClient
-from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 MODEL = "configs/models/tiny_qwen3_moe"
 LAYERS, TOP_K = 4, 2  # its config.json: num_hidden_layers, num_experts_per_tok

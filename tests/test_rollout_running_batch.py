@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.local.engine import LocalEngine, sample_tokens
 from megatron_search.rollout.local.runner import ModelRunner, RunningBatch, load_hf_model
-from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 
 MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe", "qwen3_5_moe": "configs/models/tiny_qwen3_5_moe"}
 

@@ -12,9 +12,9 @@ from aiohttp import web
 
 from megatron_search.config import load_config
 from megatron_search.rollout.engine.base import EngineError, decode_routed_experts, encode_routed_experts
-from megatron_search.rollout.sglang.client import SGLangClient, sglang_command
 from megatron_search.rollout.engine.process import ServerProcess
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.sglang.client import SGLangClient, sglang_command
 
 
 def test_launch_line_carries_the_flags_this_project_needs():

@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from megatron_search.config import ConfigError, load_config
 from megatron_search.rollout.engine.auth import bearer_header, key_from_env
 from megatron_search.rollout.engine.base import EngineError
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.launch import start_engines
 from megatron_search.rollout.local.runner import load_hf_model
-from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.vllm.client import VLLMClient, vllm_command, vllm_env
 
 MODEL = "configs/models/tiny_qwen3_moe"

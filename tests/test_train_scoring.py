@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_search.data.mix import MixItem
-from megatron_search.rollout.engine.types import Rollout, Segment
 from megatron_search.rewards.preference import ReferenceAnswer
+from megatron_search.rollout.engine.types import Rollout, Segment
 from megatron_search.train.scoring import preference_inputs, score_rollouts
 
 

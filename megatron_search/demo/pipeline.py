@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.config import load_config
 from megatron_search.config.demo import STRATEGIES
 from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
@@ -37,8 +39,6 @@ from megatron_search.data.world import build_world
 from megatron_search.eval import BenchmarkSpec, evaluate
 from megatron_search.eval.metrics import broken_tool_calls, paired_accuracy_difference
 from megatron_search.eval.results import ResultStore
-from megatron_search.chat.format import ChatFormat
-from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.search.local import build_index
 from megatron_search.search.tool import SearchTool
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.data.jsonl import atomic_write_json, write_jsonl
 from megatron_search.data.sft import SYSTEM_PROMPT
 from megatron_search.rollout.agent.loop import AgentSettings, SearchAgent
 from megatron_search.rollout.engine.auth import key_from_env
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.engine.base import Engine
 from megatron_search.rollout.sglang.client import SGLangClient
-from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.search import build_backend
 from megatron_search.search.base import SearchBackend

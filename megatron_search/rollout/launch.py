@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_search.config import dump_config
-
 from megatron_search.rollout.engine.auth import job_key, key_from_env, use_key_env
-from megatron_search.rollout.sglang.client import SGLangClient, launch_router, launch_sglang_servers
 from megatron_search.rollout.engine.process import ServerProcess
 from megatron_search.rollout.local.launch import launch_local_server
+from megatron_search.rollout.sglang.client import SGLangClient, launch_router, launch_sglang_servers
 from megatron_search.rollout.vllm.client import VLLMClient, launch_vllm_servers
 
 

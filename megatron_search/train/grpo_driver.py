@@ -36,18 +36,18 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from megatron_search.chat.format import ChatFormat
+from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.data.llm_client import LLMClient
 from megatron_search.data.mix import MixItem
 from megatron_search.data.rubrics import RubricJudge
 from megatron_search.rewards.answer import qa_reward
 from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rm.service import ReferenceCache, reference_seed
-from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
-from megatron_search.chat.format import ChatFormat
 from megatron_search.rollout.agent.dispatch import Dispatcher, JobResult
+from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
 from megatron_search.rollout.engine.base import Engine
 from megatron_search.rollout.engine.health import EngineHealth
-from megatron_search.chat.tokenizer import ChatEncoder, load_tokenizer
 from megatron_search.rollout.engine.types import Rollout
 from megatron_search.search.tool import SearchTool
 

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_search.data.jsonl import append_jsonl, read_jsonl
-from megatron_search.distributed import collectives as coll
-from megatron_search.distributed import init_distributed
 from megatron_search.chat.tokenizer import ChatEncoder
+from megatron_search.data.jsonl import append_jsonl, read_jsonl
+from megatron_search.distributed import collectives as coll, init_distributed
 from megatron_search.trainer.core import Trainer
 from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line

@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
+from megatron_search.chat.format import IM_END, IM_START, ChatFormat
+from megatron_search.chat.tokenizer import ChatTokenizer, load_tokenizer
 from megatron_search.data.hf_datasets import row_table
 from megatron_search.data.jsonl import DataError
 from megatron_search.data.mix import MixSampler
 from megatron_search.trainer.step import Batch
-from megatron_search.chat.format import IM_END, IM_START, ChatFormat
-from megatron_search.chat.tokenizer import ChatTokenizer, load_tokenizer
 
 from .rollout_batch import round_up
 

@@ -50,8 +50,7 @@ from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.init import free_port
 from megatron_search.rollout.sglang.weight_group import FLAT, close_weight_group, open_weight_group, send_flat_bucket
 from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
-from megatron_search.weights.send_plan import (Destination, LinkCosts, colocated_destinations,
-                                               disaggregated_destination)
+from megatron_search.weights.send_plan import Destination, LinkCosts, colocated_destinations, disaggregated_destination
 
 Mode = Literal["tensor", "distributed", "disk"]
 Inflight = Literal["abort", "finish"]

@@ -28,12 +28,11 @@ from typing import Optional, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from megatron_search.search.tool import SearchTool, ToolChoice
-
+from megatron_search.chat.tokenizer import ChatEncoder
 from megatron_search.rollout.engine.base import Engine, MalformedReply
 from megatron_search.rollout.engine.failures import RolloutFailed
-from megatron_search.chat.tokenizer import ChatEncoder
 from megatron_search.rollout.engine.types import GenerateRequest, GenerateResult, Rollout, SamplingParams, Segment
+from megatron_search.search.tool import SearchTool, ToolChoice
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from typing import Any
 from aiohttp import web
 
 from megatron_search.chat.format import ChatFormat
-from megatron_search.rollout.local.http_input import BadRequest, field, read_json
 from megatron_search.chat.tokenizer import ChatEncoder, ChatTokenizer, load_tokenizer
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.local.http_input import BadRequest, field, read_json
 
 
 def _check_function(item, where: str) -> dict:

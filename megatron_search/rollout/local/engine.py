@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from megatron_search.rollout.engine.base import Engine, EngineError, MemoryTag, ModelInfo, PauseMode
+from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 from megatron_search.rollout.local.runner import ModelRunner, PrefixStore, RunningBatch, load_hf_model
 from megatron_search.rollout.local.weights import (check_dtypes, load_named_tensors, plan_named_tensors,
                                                    read_safetensors_dir, weights_sha256, write_plan)
-from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 from megatron_search.rollout.sglang.weight_group import (FLAT, close_weight_group, grow_buffer, open_weight_group,
                                                          receive_flat_bucket, receive_named_tensors)
 

@@ -31,18 +31,16 @@ import torch
 from aiohttp import web
 
 from megatron_search.config import ConfigError, load_config
-
 from megatron_search.rollout.engine.auth import EngineKeyError, key_from_env, request_allowed
-from megatron_search.rollout.local.chat_endpoint import ChatEndpoint
-from megatron_search.rollout.engine.base import EngineError, encode_routed_experts
-from megatron_search.rollout.local.http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
-from megatron_search.rollout.local.engine import LocalEngine
-from megatron_search.rollout.local.vllm_api import add_vllm_routes, require_vllm_key
+from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME, EngineError, encode_routed_experts
 from megatron_search.rollout.engine.tensor_payload import (LOCAL_TENSOR_FORMAT, WeightUpdateError,
                                                            deserialize_named_tensors)
-from megatron_search.rollout.local.weights import check_dtypes
-from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.local.chat_endpoint import ChatEndpoint
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.http_input import BODY_LIMITS, BadRequest, field, int_in, list_field, read_json
+from megatron_search.rollout.local.vllm_api import add_vllm_routes, require_vllm_key
+from megatron_search.rollout.local.weights import check_dtypes
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = web.AppKey("engine", LocalEngine)

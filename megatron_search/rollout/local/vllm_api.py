@@ -24,13 +24,12 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
-from megatron_search.rollout.engine.base import EngineError
-from megatron_search.rollout.local.http_input import BadRequest, check_value, field, list_field, read_json
-from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME, EngineError
 from megatron_search.rollout.engine.tensor_payload import WeightUpdateError
-from megatron_search.rollout.local.weights import load_named_tensors, read_safetensors_dir
-from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
+from megatron_search.rollout.local.engine import LocalEngine
+from megatron_search.rollout.local.http_input import BadRequest, check_value, field, list_field, read_json
+from megatron_search.rollout.local.weights import load_named_tensors, read_safetensors_dir
 from megatron_search.rollout.vllm.client import GENERATE_ROUTE, encode_npy_experts
 
 VLLM_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vllm/entrypoints/serve/middleware/authenticate.py
