@@ -79,16 +79,7 @@ def start_engines(cfg, output_dir: str | os.PathLike, routed_experts: bool = Fal
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if r.engine == "local":
-        config_path = out / "rollout_engine_config.yaml"
-        tmp = config_path.with_suffix(".tmp")
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, config_path)
-        def launch(i: int) -> ServerProcess:
-            return launch_local_server(str(config_path), [], out / f"local_engine_{i}.log", r.local.startup_timeout_s,
-                                       host=r.local.host, api_key=key, api_key_env=r.api_key_env,
-                                       routed_experts=routed_experts)
-
-        servers = _launch_together(launch, r.num_engines)
+        servers = _launch_local_servers(cfg, out, key, routed_experts, "local_engine")
         return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers,
                               restart_timeout_s=r.local.startup_timeout_s)
     servers = launch_sglang_servers(cfg, out, routed_experts=routed_experts)
@@ -106,6 +97,22 @@ def start_engines(cfg, output_dir: str | os.PathLike, routed_experts: bool = Fal
                               restart_timeout_s=r.sglang.startup_timeout_s)
     return RolloutEngines([SGLangClient(s.url, timeout, moe_shape, "sglang", tp_size=r.sglang.tp, api_key=key)
                            for s in servers], servers, restart_timeout_s=r.sglang.startup_timeout_s)
+
+
+def _launch_local_servers(cfg, out: Path, key: str, routed_experts: bool, log_stem: str) -> list[ServerProcess]:
+    """rollout.num_engines local engine servers reading `cfg` (written once under `out`), started together."""
+    r = cfg.rollout
+    config_path = out / "rollout_engine_config.yaml"
+    tmp = config_path.with_suffix(".tmp")
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, config_path)
+
+    def launch(i: int) -> ServerProcess:
+        return launch_local_server(str(config_path), [], out / f"{log_stem}_{i}.log", r.local.startup_timeout_s,
+                                   host=r.local.host, api_key=key, api_key_env=r.api_key_env,
+                                   routed_experts=routed_experts)
+
+    return _launch_together(launch, r.num_engines)
 
 
 def _launch_together(launch, n: int) -> list[ServerProcess]:
@@ -137,24 +144,6 @@ def start_vllm_engines(cfg, output_dir: str | os.PathLike, moe_shape: Optional[t
     out.mkdir(parents=True, exist_ok=True)
     if r.vllm.server == "vllm":
         servers = launch_vllm_servers(cfg, out, routed_experts=routed_experts)
-    else:
-        config_path = out / "rollout_engine_config.yaml"
-        tmp = config_path.with_suffix(".tmp")
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, config_path)
-
-        def launch(i: int) -> ServerProcess:  # the server reads rollout.engine=vllm: vLLM's API
-            return launch_local_server(str(config_path), [], out / f"local_vllm_engine_{i}.log",
-                                       r.local.startup_timeout_s, host=r.local.host, api_key=key,
-                                       api_key_env=r.api_key_env, routed_experts=routed_experts)
-
-        with ThreadPoolExecutor(max_workers=r.num_engines) as pool:
-            futures = [pool.submit(launch, i) for i in range(r.num_engines)]
-        failed = [f.exception() for f in futures if f.exception() is not None]
-        if failed:
-            for f in futures:
-                if f.exception() is None:
-                    f.result().stop()
-            raise failed[0]
-        servers = [f.result() for f in futures]
+    else:  # the servers read rollout.engine=vllm from the config: vLLM's API
+        servers = _launch_local_servers(cfg, out, key, routed_experts, "local_vllm_engine")
     return RolloutEngines([VLLMClient(s.url, timeout, moe_shape, api_key=key) for s in servers], servers)
