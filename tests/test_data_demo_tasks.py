@@ -195,3 +195,30 @@ def test_classify_strategy_by_hand():
     assert classify_strategy(["the pale lodol"], "The Pale Lodol") == "search"
     assert classify_strategy(["person wrote", "The Pale Lodol author"], "The Pale Lodol") == "redundant"
     assert classify_strategy(["person wrote"], "The Pale Lodol") == "miss"
+
+
+def test_a_word_pool_builds_every_name_of_worlds_and_drills():
+    from megatron_search.data.demo_tasks import copy_drills, practice_trajectories, reading_drills
+    from megatron_search.data.world import word_pool
+    from megatron_search.data.world_schema import ENTITY_TYPES
+
+    pool = word_pool(5, 600)
+    assert pool == word_pool(5, 600) and pool != word_pool(6, 600) and len(set(pool)) == 600
+    lows = [w.lower() for w in pool]
+    assert all(w.isalpha() and len(w) >= 5 for w in pool)
+    assert not any(a in b for a in lows for b in lows if a != b)  # none inside another: one token each
+    fixed = {"The", "Launchpad", "University", "Festival"}  # the templates' own words (and the kinds below)
+    from megatron_search.data import world as world_mod
+    fixed |= set(world_mod._BOOK_ADJ) | set(world_mod._COMPANY_SUFFIX) | set(world_mod._FESTIVAL_KIND)
+    world = build_world(seed=3, num_entities=80, words=pool)
+    invented = [w for e in world.entities.values() for w in e.name.split() if w not in fixed]
+    assert invented and set(invented) <= set(pool)
+    assert len(invented) == len(set(invented))  # a word names one thing per world
+    drills = copy_drills(world, 100, seed=1, words=pool) + reading_drills(world, 20, seed=1, words=pool)
+    answers = [d.messages[1]["content"] for d in drills]
+    assert all(w in pool or w in fixed for a in answers for w in a.split())
+    practice, _ = practice_trajectories(world, 1, seed=2, search_cfg=load_config(None).search, words=pool)
+    users = [ex.messages[1]["content"] for ex in practice]
+    named = {w for u in users for w in u.rstrip("?").split()[1:] if w[0].isupper()}  # after "Which"
+    assert named and named <= set(pool) | fixed
+    assert len(ENTITY_TYPES) == 7

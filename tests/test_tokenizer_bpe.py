@@ -91,3 +91,30 @@ def test_train_tokenizer_cli(tmp_path, capsys):
     bad.write_text('{"id": 1}\n')
     assert main(["train-tokenizer", "--corpus", str(bad), "--out", str(tmp_path / "t2")]) == 2
     assert "bad.jsonl:1: no text field" in capsys.readouterr().err
+
+
+def test_words_become_one_token_each_and_take_their_share_of_the_vocabulary():
+    words = ["Zorblat", "Quenix", "Drothis", "Moumous"]
+    texts = [t + " Zorblat Quenix wrote about Drothis." for t in corpus()]
+    tok = BPETokenizer.train(texts, vocab_size=320, words=words)
+    assert tok.vocab_size == 320  # 316 BPE ids + 4 words
+    space = tok.encode(" ")
+    for w in words:
+        ids = tok.encode(w)
+        assert len(ids) == 1 and tok.decode(ids) == w
+        # one and the same id at the start of a line, after a space, inside quotes, before punctuation
+        assert tok.encode(f"the {w}.") == tok.encode("the") + space + ids + tok.encode(".")
+        assert tok.encode(f'"{w}"')[1:-1] == ids and tok.encode(f"\n{w}")[1:] == ids
+    # the BPE spent no merge on the words' letters: the lowercase form stays in pieces
+    assert len(tok.encode("zorblat")) > 1
+    text = '{"query": "The Silent Drothis"} Moumous Quenix.'
+    assert tok.decode(tok.encode(text)) == text
+    with pytest.raises(ValueError, match="'drothis' is inside 'drothisk'"):
+        BPETokenizer.train(corpus(10), vocab_size=600, words=["Drothisk", "Drothis"])
+    with pytest.raises(ValueError, match="repeats"):
+        BPETokenizer.train(corpus(10), vocab_size=600, words=["Drothis", "drothis"])
+    with pytest.raises(ValueError, match="not alphabetic"):
+        BPETokenizer.train(corpus(10), vocab_size=600, words=["Dro this"])
+    with pytest.raises(ValueError, match="minus 400 words"):
+        BPETokenizer.train(corpus(10), vocab_size=600, words=[f"W{chr(97 + i // 26)}{chr(97 + i % 26)}x"
+                                                              for i in range(400)])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import os
+import re
 import tempfile
 import unicodedata
 from abc import ABC, abstractmethod
@@ -272,17 +273,34 @@ class BPETokenizer(ChatTokenizer):
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 2048, min_frequency: int = 2,
-              show_progress: bool = False, pretokenizer: str = "words") -> "BPETokenizer":
+              show_progress: bool = False, pretokenizer: str = "words", words: Sequence[str] = ()) -> "BPETokenizer":
         """Train on `texts`; the vocabulary has at most `vocab_size` ids (fewer on a small corpus).
         `pretokenizer`: "words" (WORDS_PATTERN: spaces are their own tokens) or "qwen" (QWEN_PATTERN).
-        The choice is saved in tokenizer.json."""
+        The choice is saved in tokenizer.json. `words`: whole words that become one token each wherever
+        they stand (added tokens, matched before the BPE; none may contain another), counted in
+        `vocab_size`: the demo's invented names are then a few whole tokens (data/world.word_pool)."""
         # start-up: tokenizers (~10 ms), kept off every CLI command's start (all import this module)
-        from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+        from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
         from tokenizers.models import BPE
 
         base = 256 + len(CHAT_SPECIAL_TOKENS) + len(CHAT_TEXT_TOKENS)
-        if vocab_size < base:
-            raise ValueError(f"vocab_size {vocab_size} is below the {base} bytes + chat tokens a byte-level BPE needs")
+        words = list(words)
+        bad = [w for w in words if not w or not w.isalpha()]
+        if bad:
+            raise ValueError(f"words: {bad[:3]} are not alphabetic words")
+        lows = sorted({w.lower() for w in words}, key=len)
+        if len(lows) != len(words):
+            raise ValueError("words: a word repeats (case-insensitively)")
+        inside = next(((a, b) for i, a in enumerate(lows) for b in lows[i + 1:] if a in b), None)
+        if inside:
+            raise ValueError(f"words: {inside[0]!r} is inside {inside[1]!r}; added tokens would split the longer one")
+        if vocab_size - len(words) < base:
+            raise ValueError(f"vocab_size {vocab_size} minus {len(words)} words is below the {base} bytes + chat "
+                             "tokens a byte-level BPE needs")
+        vocab_size -= len(words)
+        if words:  # the BPE's merges go to the rest of the text, not to pieces of the words
+            whole = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+            texts = (whole.sub(" ", t) for t in texts)
         if pretokenizer not in PRETOKENIZERS:
             raise ValueError(f"pretokenizer {pretokenizer!r}: expected one of {', '.join(PRETOKENIZERS)}")
         tok = Tokenizer(BPE(fuse_unk=False))
@@ -295,6 +313,9 @@ class BPETokenizer(ChatTokenizer):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(texts, trainer=trainer)
+        if words:
+            tok.add_tokens([AddedToken(w, single_word=False, lstrip=False, rstrip=False, normalized=False)
+                            for w in words])
         return cls(tok)
 
     @classmethod

@@ -29,6 +29,11 @@ class DemoConfig(Section):
     answer_style: Literal["name", "sentence"] = Field(
         "sentence", description="trajectories and reading drills answer with the bare name or restate the fact "
         "('X was written by Y.', data/demo_tasks.fact_sentence)")
+    name_words: NonNegativeInt = Field(
+        0, description="0: names are made of freshly invented syllable words, several BPE tokens each. N: every "
+        "invented word (of the demo world, the practice worlds and the drills) is drawn from a pool of N words, and "
+        "each pool word is one token of the demo tokenizer (counted in the model's vocabulary), so copying a name "
+        "is copying 1-3 whole tokens (data/world.word_pool)")
     practice_worlds: NonNegativeInt = Field(
         30, description="extra invented worlds whose single-hop trajectories are the 'practice' SFT part "
         "(~365 each)")

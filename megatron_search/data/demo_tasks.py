@@ -23,7 +23,7 @@ import random
 import re
 from collections import Counter
 from dataclasses import asdict
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_search.config.demo import STRATEGIES
 from megatron_search.search.local import LocalSearchBackend
@@ -173,8 +173,8 @@ class _FreshNames:
     world fact. Checked against the world with two C-level searches, so tens of thousands of names
     take seconds (world._Names compares every new name with all earlier ones)."""
 
-    def __init__(self, world: World, rng):
-        self._names = _Names(rng)
+    def __init__(self, world: World, rng, words: Optional[Sequence[str]] = None):
+        self._names = _Names(rng, words)
         lows = sorted({e.name.lower() for e in world.entities.values()}, key=len, reverse=True)
         self._blob = "\x00".join(lows)  # candidate inside a world name
         self._pattern = re.compile("|".join(map(re.escape, lows))) if lows else None  # world name inside candidate
@@ -182,6 +182,8 @@ class _FreshNames:
     def make(self, etype: str) -> str:
         for _ in range(1000):
             self._names.names.clear()  # repeats between drills are harmless; only the world must be avoided
+            if self._names.pool is not None:  # a pool would run dry: its words repeat across drills
+                self._names.words.clear()
             name = self._names.make(etype)
             low = name.lower()
             if low not in self._blob and not (self._pattern and self._pattern.search(low)):
@@ -189,7 +191,8 @@ class _FreshNames:
         raise RuntimeError(f"could not invent a fresh {etype} name")
 
 
-def copy_drills(world: World, n: int, seed: int = 0, layout: str = "end", max_filler: int = 10) -> list[SFTExample]:
+def copy_drills(world: World, n: int, seed: int = 0, layout: str = "end", max_filler: int = 10,
+                words: Optional[Sequence[str]] = None) -> list[SFTExample]:
     """Copy drills on freshly invented names: the skill the search agent needs first (the subject
     goes into the query, the answer comes out of the results).
 
@@ -197,11 +200,12 @@ def copy_drills(world: World, n: int, seed: int = 0, layout: str = "end", max_fi
     gets it in a few hundred steps, but as a copy from a fixed offset before the end of the prompt:
     97% on this layout, 0% with a word appended or a sentence prepended (measured).
     layout "varied": the same cue, with the name among up to `max_filler` filler words on either side
-    and a distractor name, so the name must be found by content and copied by an induction head."""
+    and a distractor name, so the name must be found by content and copied by an induction head.
+    `words`: names are built from this word pool (world.word_pool), as the world's are."""
     if layout not in COPY_LAYOUTS:
         raise ValueError(f"copy_drills: layout must be one of {COPY_LAYOUTS}, got {layout!r}")
     rng = random.Random(seed + 7919)
-    names = _FreshNames(world, rng)
+    names = _FreshNames(world, rng, words)
     out = []
     for i in range(n):
         x = names.make(rng.choice(list(ENTITY_TYPES)))
@@ -223,18 +227,18 @@ def fact_sentence(relation: str, subject: str, obj: str) -> str:
 
 
 def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
-                   phrasing: str = "any") -> list[SFTExample]:
+                   phrasing: str = "any", words: Optional[Sequence[str]] = None) -> list[SFTExample]:
     """ "<3 sentences stating facts> Which person wrote X?" -> the person the passage names, on
     freshly invented names: reading the answer to a question out of a passage, as from results.
 
     answer "name" gives the bare name, "sentence" the fact restated (fact_sentence). phrasing "any"
     states each fact with any of its relation's templates (as the world's documents do), "first"
-    with the subject-first one only, which the sentence answer repeats word for word."""
+    with the subject-first one only, which the sentence answer repeats word for word. `words`: as copy_drills."""
     if answer not in DRILL_ANSWERS or phrasing not in PHRASINGS:
         raise ValueError(f"reading_drills: answer must be one of {DRILL_ANSWERS} and phrasing one of "
                          f"{PHRASINGS}, got {answer!r}, {phrasing!r}")
     rng = random.Random(seed + 104729)
-    names = _FreshNames(world, rng)
+    names = _FreshNames(world, rng, words)
     out = []
     for i in range(n):
         facts = []
@@ -253,18 +257,20 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
 
 def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_cfg, answer: str = "name",
                           phrasing: str = "any",
-                          strategies: Optional[dict[str, float]] = None) -> tuple[list[SFTExample], int]:
+                          strategies: Optional[dict[str, float]] = None,
+                          words: Optional[Sequence[str]] = None) -> tuple[list[SFTExample], int]:
     """Trajectories over `num_worlds` extra invented worlds (each with its own in-memory index), so
     the agent SFT sees thousands of subjects instead of the demo world's few hundred training ones
     and must learn to search and read rather than recall. A trajectory that contains any name of
     the demo world (even inside a longer word) is dropped, so no demo fact, held out or not, is
     taught; returns the examples and how many were dropped that way. `strategies`: as
-    one_hop_sft_examples, each world guessing among its own names."""
+    one_hop_sft_examples, each world guessing among its own names. `words`: the worlds' word pool
+    (world.word_pool; the demo world's own names are still filtered out)."""
     names = sorted({e.name for e in demo_world.entities.values()}, key=len, reverse=True)
     clash = re.compile("|".join(map(re.escape, names)))  # inside a longer word too: the safe side
     out, clashes = [], 0
     for k in range(num_worlds):
-        world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing)
+        world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing, words=words)
         backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], search_cfg.snippet_chars)
         tool = SearchTool.from_config(search_cfg, backend=backend)
         examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer,

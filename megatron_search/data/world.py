@@ -19,6 +19,7 @@ import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional, Sequence
 
 from tqdm import tqdm
 
@@ -109,20 +110,51 @@ class World:
         return cls(meta["seed"], ents, [Fact(**f) for f in meta["facts"]], docs, meta["support"], meta["rumors"])
 
 
+def _invent_word(rng: random.Random, syllables: tuple[int, int] = (2, 3)) -> str:
+    n = rng.randint(*syllables)
+    w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(n))
+    return (w + rng.choice(_CODAS)).capitalize()
+
+
+def word_pool(seed: int, size: int) -> list[str]:
+    """`size` invented words (2-3 syllables, at least 5 letters), none inside another (case-insensitive), so
+    each can be one token of a tokenizer (chat/tokenizer.BPETokenizer.train's `words`) and a name built from
+    them is a few whole tokens. Deterministic from `seed`."""
+    rng = random.Random(f"word-pool:{seed}")
+    words: list[str] = []
+    lows: set[str] = set()
+    for _ in range(200 * size):
+        if len(words) == size:
+            return words
+        w = _invent_word(rng)
+        low = w.lower()
+        if len(w) >= 5 and low not in lows and not any(low in o or o in low for o in lows):
+            words.append(w)
+            lows.add(low)
+    raise RuntimeError(f"word_pool: could not invent {size} words that do not contain one another")
+
+
 class _Names:
     """Invented, globally unique names; no name is contained in another (so substring checks on
-    questions and claims are meaningful)."""
+    questions and claims are meaningful). With `words`, every invented word is drawn from that pool
+    (each at most once per _Names) instead of being made up from syllables."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, words: Optional[Sequence[str]] = None):
         self.rng = rng
         self.words: set[str] = set()
         self.names: list[str] = []
+        self.pool = list(words) if words is not None else None
 
     def word(self, syllables: tuple[int, int] = (2, 3)) -> str:
+        if self.pool is not None:
+            for _ in range(1000):
+                w = self.rng.choice(self.pool)
+                if w not in self.words:
+                    self.words.add(w)
+                    return w
+            raise RuntimeError(f"word pool of {len(self.pool)} exhausted; lower the world size or grow the pool")
         for _ in range(1000):
-            n = self.rng.randint(*syllables)
-            w = "".join(self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) for _ in range(n))
-            w = (w + self.rng.choice(_CODAS)).capitalize()
+            w = _invent_word(self.rng, syllables)
             if w not in self.words and len(w) >= 5:
                 self.words.add(w)
                 return w
@@ -173,11 +205,13 @@ def _slug(name: str) -> str:
 
 def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
                 single_source_fraction: float = 0.1, rumor_fraction: float = 0.05,
-                filler_docs: int = 100, progress: bool = False, phrasing: str = "any") -> World:
+                filler_docs: int = 100, progress: bool = False, phrasing: str = "any",
+                words: Optional[Sequence[str]] = None) -> World:
     """Generate the world. Every fact is stated by >= min_sources documents on distinct sites except
     a `single_source_fraction` of them (stated once); `rumor_fraction` x #facts rumour posts each
     assert one wrong attribute value once. `phrasing`: documents state a fact with any of its
-    templates ("any") or always the first, subject-first one ("first": the CPU demo's easier world)."""
+    templates ("any") or always the first, subject-first one ("first": the CPU demo's easier world).
+    `words`: the invented words names are built from (word_pool), instead of fresh syllable words."""
     if phrasing not in PHRASINGS:
         raise ValueError(f"phrasing must be one of {PHRASINGS}, got {phrasing!r}")
     if min_sources < 2 or min_sources > len(_SITES):
@@ -185,7 +219,7 @@ def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
     if num_entities < 30:
         raise ValueError(f"num_entities must be >= 30 for every type to be populated, got {num_entities}")
     rng = random.Random(seed)
-    names = _Names(rng)
+    names = _Names(rng, words)
     entities: dict[str, Entity] = {}
     by_type: dict[str, list[str]] = defaultdict(list)
     for etype, w in _TYPE_WEIGHTS.items():

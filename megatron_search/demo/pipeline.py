@@ -35,7 +35,7 @@ from megatron_search.config.demo import STRATEGIES
 from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
                                              practice_trajectories, reading_drills)
 from megatron_search.data.jsonl import read_jsonl, write_jsonl
-from megatron_search.data.world import build_world
+from megatron_search.data.world import build_world, word_pool
 from megatron_search.eval import BenchmarkSpec, evaluate
 from megatron_search.eval.metrics import broken_tool_calls, paired_accuracy_difference
 from megatron_search.eval.results import ResultStore
@@ -109,7 +109,8 @@ class Demo:
         p = self.paths()
         cfg = load_config(self.config, self.overrides)
         cur = cfg.demo
-        world = build_world(seed=cfg.run.seed, phrasing=cur.world_phrasing)
+        words = word_pool(cfg.run.seed, cur.name_words) if cur.name_words else None
+        world = build_world(seed=cfg.run.seed, phrasing=cur.world_phrasing, words=words)
         world.save(p["world"])
         docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
         build_index(docs, p["index"], progress=False)
@@ -119,21 +120,22 @@ class Demo:
                                                  strategies=cur.strategy_mix, pool=names_by_type(world),
                                                  seed=cfg.run.seed)
         practice, clashes = practice_trajectories(world, cur.practice_worlds, cfg.run.seed, cfg.search,
-                                                  cur.answer_style, cur.world_phrasing, strategies=cur.strategy_mix)
-        copies = copy_drills(world, cur.copy_drills, seed=cfg.run.seed)
-        varied = copy_drills(world, cur.copy_drills, seed=cfg.run.seed + 1, layout="varied")
+                                                  cur.answer_style, cur.world_phrasing, strategies=cur.strategy_mix,
+                                                  words=words)
+        copies = copy_drills(world, cur.copy_drills, seed=cfg.run.seed, words=words)
+        varied = copy_drills(world, cur.copy_drills, seed=cfg.run.seed + 1, layout="varied", words=words)
         reads = reading_drills(world, cur.reading_drills, seed=cfg.run.seed, answer=cur.answer_style,
-                               phrasing=cur.world_phrasing)
+                               phrasing=cur.world_phrasing, words=words)
         # held-out drills for the warm-ups' skill checks: names drawn with seeds no training drill uses
-        copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003)
+        copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003, words=words)
         read_check = reading_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003,
-                                    answer=cur.answer_style, phrasing=cur.world_phrasing)
+                                    answer=cur.answer_style, phrasing=cur.world_phrasing, words=words)
         fmt = ChatFormat(style=cfg.model.chat_style)
         # the tokenizer sees a sample of the practice trajectories: their text repeats the tool schema and templates
         sample = examples + practice[:cur.tokenizer_practice_sample] + copies + varied + reads
         texts = [d["text"] for d in docs] + [fmt.render(e.messages, e.tools or None) for e in sample]
         vocab = cfg.model.architecture.vocab_size
-        tok = BPETokenizer.train(texts, vocab_size=vocab)
+        tok = BPETokenizer.train(texts, vocab_size=vocab, words=words or ())
         if tok.vocab_size != vocab:  # the policy samples any of its ids: each must decode
             raise RuntimeError(f"the demo BPE has {tok.vocab_size} ids but the model {vocab} embeddings: the texts are too "
                                "few to learn that many merges (raise demo.copy_drills / demo.reading_drills)")
