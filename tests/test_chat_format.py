@@ -122,8 +122,6 @@ def test_parse_both_syntaxes_in_either_style():
 
 
 def test_xml_values_follow_schema_types():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
-        "n": {"type": "integer"}, "s": {"type": "string"}, "o": {"type": "object"}}}}}]
     calls, _ = parse_tool_calls("<tool_call>\n<function=f>\n<parameter=n>\n7\n</parameter>\n<parameter=s>\n7\n"
                                 "</parameter>\n<parameter=o>\n{\"a\": [1]}\n</parameter>\n</function>\n</tool_call>",
                                 {"f": {"n": "integer", "s": "string", "o": "object"}})

@@ -12,7 +12,6 @@ import torch
 from _kernels_ref64 import AllocationRecorder, logprob_ref64, rel_err, weighted_loss
 from _tolerance import entropy_tol, logprob_tol, softmax_grad_tol, sum_tol
 from megatron_search.kernels import mismatch_stats, token_logprobs
-from megatron_search.kernels.logprob_torch import online_stats_torch
 from megatron_search.kernels.softmax_stats import SoftmaxStats, finalize_torch
 
 BACKENDS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])

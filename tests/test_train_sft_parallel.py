@@ -47,7 +47,6 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             held["before"] = [p.detach().clone() for p in trainer.model[0].parameters()]
 
         summary = run_sft(cfg, env=env, on_start=snapshot)
-        after = list(held["trainer"].model[0].parameters())
         unchanged = [n for (n, p), b in zip(held["trainer"].model[0].named_parameters(), held["before"])
                      if torch.equal(b, p.detach())]
         results[name] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], "unchanged": unchanged,

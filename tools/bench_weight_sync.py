@@ -282,7 +282,7 @@ def main() -> None:
 
     sync_cpu = [med([t[r][0] for t in tries]) for r in range(len(tries[0]))] + [med([t[0][1] for t in tries])]
     raw_cpu = [med([t[r][2] for t in tries]) for r in range(len(tries[0]))]
-    print(f"CPU s/GB    sync: " + " + ".join(f"rank {r} {c:.2f}" for r, c in enumerate(sync_cpu[:-1]))
+    print("CPU s/GB    sync: " + " + ".join(f"rank {r} {c:.2f}" for r, c in enumerate(sync_cpu[:-1]))
           + f" + engine {sync_cpu[-1]:.2f} = {sum(sync_cpu):.2f} | raw: "
           + " + ".join(f"rank {r} {c:.2f}" for r, c in enumerate(raw_cpu)) + f" = {sum(raw_cpu):.2f} "
           f"(median; on {os.cpu_count()} cores a push needs at least {sum(sync_cpu) / os.cpu_count():.2f} s/GB)")
