@@ -222,3 +222,17 @@ def test_a_word_pool_builds_every_name_of_worlds_and_drills():
     named = {w for u in users for w in u.rstrip("?").split()[1:] if w[0].isupper()}  # after "Which"
     assert named and named <= set(pool) | fixed
     assert len(ENTITY_TYPES) == 7
+
+
+def test_split_for_rl_keeps_whole_subjects_out_of_the_sft():
+    from megatron_search.data.demo_tasks import split_for_rl
+
+    records = one_hop_records(build_world(seed=4, num_entities=120), seed=4)
+    train = [r for r in records if r.split == "train"]
+    sft, rl = split_for_rl(records, seed=4, fraction=0.5)
+    assert sorted(r.id for r in sft + rl) == sorted(r.id for r in train)  # held-out questions in neither
+    subjects = lambda rs: {r.metadata["subject"] for r in rs}  # noqa: E731
+    assert not subjects(sft) & subjects(rl)
+    assert 0.3 < len(subjects(rl)) / len(subjects(train)) < 0.7
+    assert split_for_rl(records, seed=4, fraction=0.0) == (train, [])
+    assert split_for_rl(records, seed=5, fraction=0.5)[1] != rl  # the seed draws another split

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
                  "rm.steps=1", "rm.global_batch_pairs=4", "rm.micro_batch_pairs=2",
                  "grpo.steps=1", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
                  "rollout.max_new_tokens=8", "rollout.max_turns=2", "eval.max_new_tokens=8",
-                 "demo.pass_k=2", "demo.pass_k_questions=3",
+                 "demo.pass_k=2", "demo.pass_k_questions=3", "demo.rl_questions=0.5",
                  "checkpoint.save_interval=1000", "logging.progress_bars=false"]
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     first = capsys.readouterr().out
@@ -68,6 +69,17 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     # pass@k of the SFT policy on 3 training questions, 2 samples each, recounted from its result rows
     train_rows = [json.loads(line) for line in (out / "eval_train" / "results.jsonl").open()]
     assert len(train_rows) == 6 and {r["model"] for r in train_rows} == {"sft"}
+    # demo.rl_questions: GRPO (and the pass@k) take the questions whose subjects no SFT trajectory saw
+    rl = [json.loads(line) for line in (out / "grpo_qa.jsonl").open()]
+    rl_subjects = {r["metadata"]["subject"] for r in rl}
+    all_train = [json.loads(line) for line in (out / "qa.jsonl").open()]
+    assert rl and {r["split"] for r in rl} == {"train"} and len(rl) < sum(r["split"] == "train" for r in all_train)
+    sft_ids = {r["metadata"]["qa_id"] for r in tool}
+    assert not sft_ids & {r["id"] for r in rl} and {r["id"] for r in train_rows} <= {r["id"] for r in rl}
+    by_id = {r["id"]: r for r in all_train}
+    assert not rl_subjects & {by_id[i]["metadata"]["subject"] for i in sft_ids}
+    assert any(line.startswith("$ megatron-search grpo") and f"data.qa_path={out / 'grpo_qa.jsonl'}" in line
+               for line in (out / "demo.log").read_text().splitlines())
     hits = defaultdict(list)
     for r in train_rows:
         hits[r["id"]].append(r["grade"] == "CORRECT")
@@ -87,3 +99,25 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     assert main(["demo", *overrides, "--out", str(out)]) == 0
     again = capsys.readouterr().out
     assert again.count("done before") == 7 and json.loads((out / "report.json").read_text())["heldout"] == rep["heldout"]
+
+
+def test_demo_data_with_a_word_pool_makes_every_invented_word_one_token(tmp_path):
+    from megatron_search.chat.tokenizer import BPETokenizer
+    from megatron_search.data.world import World, word_pool
+    from megatron_search.demo.pipeline import Demo
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    overrides = ["demo.copy_drills=3000", "demo.reading_drills=1000", "demo.practice_worlds=1", "demo.name_words=600"]
+    demo = Demo(out, str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"), overrides)
+    demo.build_data()
+    tok = BPETokenizer.load(out / "tokenizer.json")
+    assert tok.vocab_size == 2048  # the model's embeddings: 1,448 BPE ids and the 600 words
+    pool = set(word_pool(1, 600))  # run.seed 1, as configs/demo.yaml
+    world = World.load(out / "world")
+    invented = {w for e in world.entities.values() for w in e.name.split() if w in pool}
+    assert len(invented) > 250  # 300 entities, most named by one or two pool words
+    for w in invented:
+        assert len(tok.encode(w)) == 1
+    copies = [json.loads(line)["messages"][1]["content"] for line in (out / "sft_copy.jsonl").open()]
+    assert all(len([t for t in tok.encode(c) if tok.decode([t]) in pool]) >= 1 for c in copies)

@@ -70,6 +70,15 @@ def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2) -> 
     return out
 
 
+def split_for_rl(records: list[QARecord], seed: int, fraction: float) -> tuple[list[QARecord], list[QARecord]]:
+    """(SFT records, RL records): the training records whose subject hashes into `fraction` go to RL (GRPO's
+    prompts), by subject, so that no SFT trajectory (whose search shows all of a subject's facts) reads the
+    answer of an RL question. Held-out (test) records are in neither."""
+    train = [r for r in records if r.split == "train"]
+    rl = {r.metadata["subject"] for r in train if _held_out("rl:" + r.metadata["subject"], seed, fraction)}
+    return [r for r in train if r.metadata["subject"] not in rl], [r for r in train if r.metadata["subject"] in rl]
+
+
 def names_by_type(world: World) -> dict[str, list[str]]:
     """{entity type: its names}, sorted: the pool a guessing trajectory draws its wrong answer from."""
     out: dict[str, list[str]] = {}

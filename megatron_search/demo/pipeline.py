@@ -33,7 +33,7 @@ from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.config import load_config
 from megatron_search.config.demo import STRATEGIES
 from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
-                                             practice_trajectories, reading_drills)
+                                             practice_trajectories, reading_drills, split_for_rl)
 from megatron_search.data.jsonl import read_jsonl, write_jsonl
 from megatron_search.data.world import build_world, word_pool
 from megatron_search.eval import BenchmarkSpec, evaluate
@@ -76,7 +76,7 @@ class Demo:
 
     def paths(self) -> dict[str, Path]:
         o = self.out
-        return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "tokenizer": o / "tokenizer.json",
+        return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "grpo_qa": o / "grpo_qa.jsonl", "tokenizer": o / "tokenizer.json",
                 "sft_tool": o / "sft_tool.jsonl", "sft_practice": o / "sft_practice.jsonl",
                 "sft_copy": o / "sft_copy.jsonl", "sft_copy_varied": o / "sft_copy_varied.jsonl",
                 "sft_read": o / "sft_read.jsonl", "copy_check": o / "copy_check.jsonl", "read_check": o / "read_check.jsonl",
@@ -116,7 +116,8 @@ class Demo:
         build_index(docs, p["index"], progress=False)
         records = one_hop_records(world, seed=cfg.run.seed)
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
-        examples, dropped = one_hop_sft_examples([r for r in records if r.split == "train"], tool, cur.answer_style,
+        sft_records, rl_records = split_for_rl(records, cfg.run.seed, cur.rl_questions)
+        examples, dropped = one_hop_sft_examples(sft_records, tool, cur.answer_style,
                                                  strategies=cur.strategy_mix, pool=names_by_type(world),
                                                  seed=cfg.run.seed)
         practice, clashes = practice_trajectories(world, cur.practice_worlds, cfg.run.seed, cfg.search,
@@ -147,12 +148,14 @@ class Demo:
         write_jsonl(p["sft_read"], [e.to_dict() for e in reads])
         write_jsonl(p["copy_check"], [e.to_dict() for e in copy_check])
         write_jsonl(p["read_check"], [e.to_dict() for e in read_check])
+        if cur.rl_questions:
+            write_jsonl(p["grpo_qa"], [r.to_dict() for r in rl_records])
         write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
         n_test = sum(r.split == "test" for r in records)
         shares = Counter(e.metadata["strategy"] for e in examples + practice)
         total = max(1, sum(shares.values()))
         print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
-              f"({n_test} held out); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
+              f"({n_test} held out, {len(rl_records)} kept for GRPO); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
               f"the answer), {len(practice)} practice trajectories from {cur.practice_worlds} extra worlds ({clashes} "
               f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills; "
               "strategies: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items())), flush=True)
@@ -206,9 +209,14 @@ class Demo:
         _cli(["rm", "train", self.config, *self.common(), f"run.output_dir={p['rm']}",
               f"rm.init_from={p['sft'] / 'checkpoints'}", "--demo", "256"], self.log)
 
+    def _rl_qa(self) -> Path:
+        """GRPO's questions (split train): those kept out of the SFT (demo.rl_questions), or all training ones."""
+        p = self.paths()
+        return p["grpo_qa"] if self.curriculum.rl_questions else p["qa"]
+
     def grpo(self) -> None:
         p = self.paths()
-        _cli(["grpo", self.config, *self.common(), f"run.output_dir={p['grpo']}", f"data.qa_path={p['qa']}",
+        _cli(["grpo", self.config, *self.common(), f"run.output_dir={p['grpo']}", f"data.qa_path={self._rl_qa()}",
               f"rm.load={p['rm'] / 'checkpoints'}", f"checkpoint.load={p['sft'] / 'checkpoints'}",
               f"optim.lr={self.curriculum.grpo_lr}", "optim.lr_schedule=constant", "optim.warmup_steps=0"], self.log)
 
@@ -223,7 +231,7 @@ class Demo:
         # RL's ceiling: the SFT policy's pass@k on a sample of the training questions (report.pass_at_k)
         d = self.curriculum
         cfg_k = load_config(self.config, [*self.common(), f"eval.samples={d.pass_k}"])
-        evaluate(cfg_k, {"sft": models["sft"]}, [BenchmarkSpec("records", str(p["qa"]), split="train", name="train")],
+        evaluate(cfg_k, {"sft": models["sft"]}, [BenchmarkSpec("records", str(self._rl_qa()), split="train", name="train")],
                  p["eval_train"], index_dir=str(p["index"]), variants=("standard",), limit=d.pass_k_questions,
                  progress=True, tensorboard=False)
 
@@ -281,7 +289,7 @@ class Demo:
             lines.append(f"| {st} | " + " | ".join(cells) + " |")
         pk = rep["sft_train_pass_at_k"]
         if pk["questions"]:
-            lines += ["", f"SFT policy on {pk['questions']} training questions: pass@{pk['k']} "
+            lines += ["", f"SFT policy on {pk['questions']} of GRPO's training questions: pass@{pk['k']} "
                           f"{100 * pk['pass_at_k']:.1f}%, pass@1 {100 * pk['pass_at_1']:.1f}% (RL's ceiling)"]
         if rewards:
             lines += ["", f"GRPO mean reward: first step {rewards[0]:.3f}, last step {rewards[-1]:.3f}; "
