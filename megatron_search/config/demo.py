@@ -91,7 +91,9 @@ class DemoConfig(Section):
         0.0, ge=0, lt=1, description="share of the demo world's training subjects whose questions are kept out of "
         "the agent SFT and are GRPO's prompts instead (0: GRPO samples the same training questions the SFT "
         "trajectories answered, whose answers the policy may recall instead of searching). Split by subject: "
-        "a search for a subject shows all its facts, so no SFT trajectory reads an RL question's answer")
+        "a search for a subject shows all its facts, so no SFT trajectory reads an RL question's answer. "
+        "Seed 1 with the word pool, 0.5: GRPO - SFT +7.5 points (SE 2.8) against +1.6 (SE 3.2) without (measured, "
+        "README)")
     grpo_lr: PositiveFloat = Field(
         3e-4, description="constant GRPO learning rate (no warm-up). From one SFT checkpoint (seed 1), held-out GRPO - "
         "SFT: +2.7 points (SE 1.9) at 1e-4, +6.3 (SE 2.3) at 3e-4, -1.6 (SE 2.0) at 6e-4, where broken tool calls "
