@@ -115,6 +115,44 @@ def test_first_phrasing_world_states_each_fact_subject_first():
         build_world(seed=5, num_entities=60, phrasing="poetic")
 
 
+def test_facts_layout_states_one_fact_per_page_and_the_fact_query_finds_it():
+    """layout "facts": each page is one relation fact's sentence; searching the sentence up to its object
+    (fact_query, written out by hand for two relations) returns that page first, for every question."""
+    from megatron_search.data.demo_tasks import fact_query, practice_trajectories
+    from megatron_search.data.world_schema import RELATION_BY_NAME
+
+    assert fact_query("born_in", "Ana Bel") == "Ana Bel was born in"
+    assert fact_query("went_through", "Zyx Labs") == "Zyx Labs went through the"
+    world = build_world(seed=4, num_entities=90, phrasing="first", layout="facts")
+    profiles = build_world(seed=4, num_entities=90, phrasing="first")
+    assert world.entities == profiles.entities and world.facts == profiles.facts  # same world, other pages
+    relation_facts = [f for f in world.facts if not f.literal]
+    assert not world.rumors and sum(map(len, world.support.values())) == sum(
+        len(profiles.support[f.id]) for f in relation_facts)  # every site that states a fact gets its own page
+    docs = {d.id: d for d in world.documents}
+    for f in relation_facts:
+        for d in world.support[f.id]:
+            sentence = RELATION_BY_NAME[f.relation].templates[0].format(s=world.name(f.subject), o=world.name(f.object))
+            assert docs[d].text == sentence and sentence.startswith(fact_query(f.relation, world.name(f.subject)))
+            assert docs[d].title.startswith(world.name(f.subject) + " - ")
+    backend = LocalSearchBackend.from_docs([{"id": d.id, "title": d.title, "url": d.url, "text": d.text}
+                                            for d in world.documents], 160)
+    recs = one_hop_records(world, seed=0, query="fact")
+    assert len(recs) > 100
+    for r in recs:
+        assert r.metadata["query"] == fact_query(r.chain[0]["relation"], r.metadata["subject"])
+        top = backend.search(r.metadata["query"], 1)[0]
+        assert top.snippet.startswith(r.metadata["query"] + " " + r.answers[0])
+    cfg = load_config(None, ["search.max_results=1", "search.snippet_chars=160"])
+    practice, _ = practice_trajectories(world, 1, seed=0, search_cfg=cfg.search, phrasing="first", layout="facts")
+    assert len(practice) > 100 and all(p.messages[2]["tool_calls"][0]["function"]["arguments"]["query"]
+                                       .endswith((" in", " by", " at", " the")) for p in practice)
+    with pytest.raises(ValueError, match="layout"):
+        build_world(seed=4, num_entities=60, layout="wiki")
+    with pytest.raises(ValueError, match="query"):
+        one_hop_records(world, query="question")
+
+
 def test_sentence_trajectories_and_practice_worlds():
     from megatron_search.data.demo_tasks import practice_trajectories
 

@@ -26,6 +26,12 @@ class DemoConfig(Section):
     world_phrasing: Literal["any", "first"] = Field(
         "first", description="the demo world's documents (and the reading drills) state a fact with any template of "
         "its relation or the first, subject-first one only (data/world.build_world)")
+    world_layout: Literal["profiles", "facts"] = Field(
+        "profiles", description="the demo world's documents (data/world.build_world): a profile page per entity "
+        "and site stating several of its facts, which the trajectories search by the subject's name, or a page "
+        "per fact stating it alone, which they search by the fact's sentence up to its object ('X was born in', "
+        "data/demo_tasks.fact_query): the top result is then that sentence, the answer right after the query's words, so "
+        "reading it is copying one name, not finding one fact among several")
     answer_style: Literal["name", "sentence"] = Field(
         "sentence", description="trajectories and reading drills answer with the bare name or restate the fact "
         "('X was written by Y.', data/demo_tasks.fact_sentence)")

@@ -50,8 +50,20 @@ def _held_out(entity_id: str, seed: int, fraction: float) -> bool:
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 
-def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2) -> list[QARecord]:
-    """One question per (subject, functional relation) fact of the world."""
+QUERY_STYLES = ("subject", "fact")
+
+
+def fact_query(relation: str, subject: str) -> str:
+    """The fact's sentence up to its object ("X was born in"): the query that finds a "facts" world's page
+    for exactly this fact (world.build_world, layout "facts"), whose sentence goes on with the answer."""
+    return RELATION_BY_NAME[relation].templates[0].split("{o}")[0].format(s=subject).strip()
+
+
+def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2, query: str = "subject") -> list[QARecord]:
+    """One question per (subject, functional relation) fact of the world. `query` (metadata["query"], what a
+    trajectory searches): the subject's name ("subject") or fact_query ("fact")."""
+    if query not in QUERY_STYLES:
+        raise ValueError(f"one_hop_records: query must be one of {QUERY_STYLES}, got {query!r}")
     arity = Counter((f.subject, f.relation) for f in world.facts if not f.literal)
     out = []
     for f in world.facts:
@@ -65,7 +77,7 @@ def one_hop_records(world: World, seed: int = 0, test_fraction: float = 0.2) -> 
             id=f"hop1-{f.id}", question=f"Which {noun} {rel.top_inv} {subject}?", answers=[world.name(f.object)],
             source="synthetic-1hop", split=split, hops=1,
             chain=[{"subject": subject, "relation": f.relation, "object": world.name(f.object), "literal": False}],
-            metadata={"subject": subject, "query": subject},
+            metadata={"subject": subject, "query": subject if query == "subject" else fact_query(f.relation, subject)},
         ))
     return out
 
@@ -267,22 +279,25 @@ def reading_drills(world: World, n: int, seed: int = 0, answer: str = "name",
 def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_cfg, answer: str = "name",
                           phrasing: str = "any",
                           strategies: Optional[dict[str, float]] = None,
-                          words: Optional[Sequence[str]] = None) -> tuple[list[SFTExample], int]:
+                          words: Optional[Sequence[str]] = None,
+                          layout: str = "profiles") -> tuple[list[SFTExample], int]:
     """Trajectories over `num_worlds` extra invented worlds (each with its own in-memory index), so
     the agent SFT sees thousands of subjects instead of the demo world's few hundred training ones
     and must learn to search and read rather than recall. A trajectory that contains any name of
     the demo world (even inside a longer word) is dropped, so no demo fact, held out or not, is
     taught; returns the examples and how many were dropped that way. `strategies`: as
     one_hop_sft_examples, each world guessing among its own names. `words`: the worlds' word pool
-    (world.word_pool; the demo world's own names are still filtered out)."""
+    (world.word_pool; the demo world's own names are still filtered out). `layout`: the worlds' documents
+    (world.build_world); with "facts" the trajectories search fact_query, as they must to find the fact."""
     names = sorted({e.name for e in demo_world.entities.values()}, key=len, reverse=True)
     clash = re.compile("|".join(map(re.escape, names)))  # inside a longer word too: the safe side
     out, clashes = [], 0
     for k in range(num_worlds):
-        world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing, words=words)
+        world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing, words=words, layout=layout)
         backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], search_cfg.snippet_chars)
         tool = SearchTool.from_config(search_cfg, backend=backend)
-        examples, _ = one_hop_sft_examples(one_hop_records(world, seed=seed), tool, answer=answer,
+        records = one_hop_records(world, seed=seed, query="fact" if layout == "facts" else "subject")
+        examples, _ = one_hop_sft_examples(records, tool, answer=answer,
                                            strategies=strategies, pool=names_by_type(world), seed=seed + k)
         for ex in examples:
             if clash.search(" ".join(m["content"] for m in ex.messages[1:])):

@@ -185,6 +185,9 @@ def _value(attr, rng: random.Random) -> str:
 
 
 PHRASINGS = ("any", "first")
+# How documents state facts: a profile page per (entity, site) with several of its facts, or one page per
+# (fact, site) stating that fact alone (the CPU demo's reading-free world: a search finds the one sentence).
+DOCUMENT_LAYOUTS = ("profiles", "facts")
 
 
 def _render(fact: Fact, world_names: dict[str, str], rng: random.Random, phrasing: str = "any") -> str:
@@ -206,14 +209,20 @@ def _slug(name: str) -> str:
 def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
                 single_source_fraction: float = 0.1, rumor_fraction: float = 0.05,
                 filler_docs: int = 100, progress: bool = False, phrasing: str = "any",
-                words: Optional[Sequence[str]] = None) -> World:
+                words: Optional[Sequence[str]] = None, layout: str = "profiles") -> World:
     """Generate the world. Every fact is stated by >= min_sources documents on distinct sites except
     a `single_source_fraction` of them (stated once); `rumor_fraction` x #facts rumour posts each
     assert one wrong attribute value once. `phrasing`: documents state a fact with any of its
     templates ("any") or always the first, subject-first one ("first": the CPU demo's easier world).
-    `words`: the invented words names are built from (word_pool), instead of fresh syllable words."""
+    `words`: the invented words names are built from (word_pool), instead of fresh syllable words.
+    `layout`: "profiles" (a page per entity and site, several facts each) or "facts" (a page per fact and
+    site stating only that fact, titled by its subject: a search for the fact finds exactly its sentence; the
+    attribute facts (years) and the rumours about them are then left out, since an attribute's sentence
+    shares the words of a relation's: "was first published in" / "was published by")."""
     if phrasing not in PHRASINGS:
         raise ValueError(f"phrasing must be one of {PHRASINGS}, got {phrasing!r}")
+    if layout not in DOCUMENT_LAYOUTS:
+        raise ValueError(f"layout must be one of {DOCUMENT_LAYOUTS}, got {layout!r}")
     if min_sources < 2 or min_sources > len(_SITES):
         raise ValueError(f"min_sources must be in [2, {len(_SITES)}], got {min_sources}")
     if num_entities < 30:
@@ -252,15 +261,24 @@ def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
         n = 1 if rng.random() < single_source_fraction else rng.randint(min_sources, len(_SITES) - 1)
         fact_sites[f.id] = rng.sample(_SITES, n)
 
-    # One profile page per (entity, site) stating the entity's facts that this site carries.
+    documents: list[Document] = []
+    support: dict[str, list[str]] = defaultdict(list)
+    if layout == "facts":  # one page per (relation fact, site), the fact alone, titled by its subject
+        for f in tqdm([f for f in facts if not f.literal], desc="world docs", disable=not progress):
+            subject = names_by_id[f.subject]
+            for site in fact_sites[f.id]:
+                did = f"d{len(documents):06d}"
+                documents.append(Document(did, f"{subject} - {site.split('.')[0]}",
+                                          f"https://{site}/{_slug(subject)}/{f.relation}",
+                                          _render(f, names_by_id, rng, phrasing)))
+                support[f.id].append(did)
+    # Else one profile page per (entity, site) stating the entity's facts that this site carries.
     pages: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for f in facts:
+    for f in facts if layout == "profiles" else ():
         for site in fact_sites[f.id]:
             # A relation fact lives on the subject's or the object's page, chosen at random.
             host = f.subject if f.literal or rng.random() < 0.6 else f.object
             pages[(host, site)].append(f.id)
-    documents: list[Document] = []
-    support: dict[str, list[str]] = defaultdict(list)
     fact_by_id = {f.id: f for f in facts}
     for (host, site), fids in tqdm(sorted(pages.items()), desc="world docs", disable=not progress):
         ent = entities[host]
@@ -278,7 +296,7 @@ def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
     # Rumours: a wrong attribute value, stated once on a forum.
     rumors = []
     literal_facts = [f for f in facts if f.literal]
-    for f in rng.sample(literal_facts, int(rumor_fraction * len(facts))):
+    for f in rng.sample(literal_facts, int(rumor_fraction * len(facts))) if layout == "profiles" else ():
         attr = next(a for a in ATTRIBUTES if a.name == f.relation)
         wrong = _value(attr, rng)
         if wrong == f.object:

@@ -110,11 +110,11 @@ class Demo:
         cfg = load_config(self.config, self.overrides)
         cur = cfg.demo
         words = word_pool(cfg.run.seed, cur.name_words) if cur.name_words else None
-        world = build_world(seed=cfg.run.seed, phrasing=cur.world_phrasing, words=words)
+        world = build_world(seed=cfg.run.seed, phrasing=cur.world_phrasing, words=words, layout=cur.world_layout)
         world.save(p["world"])
         docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
         build_index(docs, p["index"], progress=False)
-        records = one_hop_records(world, seed=cfg.run.seed)
+        records = one_hop_records(world, seed=cfg.run.seed, query="fact" if cur.world_layout == "facts" else "subject")
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
         sft_records, rl_records = split_for_rl(records, cfg.run.seed, cur.rl_questions)
         examples, dropped = one_hop_sft_examples(sft_records, tool, cur.answer_style,
@@ -122,7 +122,7 @@ class Demo:
                                                  seed=cfg.run.seed)
         practice, clashes = practice_trajectories(world, cur.practice_worlds, cfg.run.seed, cfg.search,
                                                   cur.answer_style, cur.world_phrasing, strategies=cur.strategy_mix,
-                                                  words=words)
+                                                  words=words, layout=cur.world_layout)
         copies = copy_drills(world, cur.copy_drills, seed=cfg.run.seed, words=words)
         varied = copy_drills(world, cur.copy_drills, seed=cfg.run.seed + 1, layout="varied", words=words)
         reads = reading_drills(world, cur.reading_drills, seed=cfg.run.seed, answer=cur.answer_style,
