@@ -189,6 +189,20 @@ def one_hop_sft_examples(records: list[QARecord], tool: SearchTool, answer: str 
     return examples, dropped
 
 
+def short_trajectories(examples: Sequence[SFTExample]) -> list[SFTExample]:
+    """The trajectories that answer right (strategies "search" and "redundant"), without the system prompt
+    and the tool schema: the copying an agent does (the subject into its query, the found fact into its
+    answer) at the same relative offsets (RoPE) as in the full trajectory, in rows about a third as long.
+    A warm-up on them teaches that copying before the agent SFT (demo.reading_warmup_mix, part "short")."""
+    out = []
+    for ex in examples:
+        if ex.metadata.get("strategy", "search") not in ("search", "redundant"):
+            continue
+        messages = [m for m in ex.messages if m["role"] != "system"]
+        out.append(SFTExample(f"short-{ex.id}", ex.kind, messages, [], list(ex.loss_roles), dict(ex.metadata)))
+    return out
+
+
 class _FreshNames:
     """Invented names that neither contain nor are contained in a world name, so a drill teaches no
     world fact. Checked against the world with two C-level searches, so tens of thousands of names

@@ -33,7 +33,7 @@ from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.config import load_config
 from megatron_search.config.demo import STRATEGIES
 from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
-                                             practice_trajectories, reading_drills, split_for_rl)
+                                             practice_trajectories, reading_drills, short_trajectories, split_for_rl)
 from megatron_search.data.jsonl import read_jsonl, write_jsonl
 from megatron_search.data.world import build_world, word_pool
 from megatron_search.eval import BenchmarkSpec, evaluate
@@ -79,7 +79,8 @@ class Demo:
         return {"world": o / "world", "index": o / "index", "qa": o / "qa.jsonl", "grpo_qa": o / "grpo_qa.jsonl", "tokenizer": o / "tokenizer.json",
                 "sft_tool": o / "sft_tool.jsonl", "sft_practice": o / "sft_practice.jsonl",
                 "sft_copy": o / "sft_copy.jsonl", "sft_copy_varied": o / "sft_copy_varied.jsonl",
-                "sft_read": o / "sft_read.jsonl", "copy_check": o / "copy_check.jsonl", "read_check": o / "read_check.jsonl",
+                "sft_read": o / "sft_read.jsonl", "sft_short": o / "sft_short.jsonl", "copy_check": o / "copy_check.jsonl",
+                "read_check": o / "read_check.jsonl", "short_check": o / "short_check.jsonl",
                 "warmup": o / "warmup", "reading_warmup": o / "reading_warmup",
                 "sft": o / "sft", "rm": o / "rm", "grpo": o / "grpo", "eval": o / "eval", "eval_train": o / "eval_train"}
 
@@ -91,7 +92,7 @@ class Demo:
         """`sft.datasets` override for a {part: weight} mix of the demo's SFT files (config.demo.PARTS)."""
         p = self.paths()
         files = {"tool": p["sft_tool"], "practice": p["sft_practice"], "copy": p["sft_copy"],
-                 "copy_varied": p["sft_copy_varied"], "read": p["sft_read"]}
+                 "copy_varied": p["sft_copy_varied"], "read": p["sft_read"], "short": p["sft_short"]}
         return "{" + ", ".join(f"{files[k]}: {w}" for k, w in weights.items() if w > 0) + "}"
 
     def stage(self, name: str, done: Path, fn) -> None:
@@ -131,6 +132,11 @@ class Demo:
         copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003, words=words)
         read_check = reading_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003,
                                     answer=cur.answer_style, phrasing=cur.world_phrasing, words=words)
+        shorts = short_trajectories(practice)
+        # a practice world no training trajectory comes from: its short trajectories check the "short" warm-up
+        check_world, _ = practice_trajectories(world, 1, cfg.run.seed + 1_000_003, cfg.search, cur.answer_style,
+                                               cur.world_phrasing, words=words, layout=cur.world_layout)
+        short_check = short_trajectories(check_world)[:cur.skill_check_drills]
         fmt = ChatFormat(style=cfg.model.chat_style)
         # the tokenizer sees a sample of the practice trajectories: their text repeats the tool schema and templates
         sample = examples + practice[:cur.tokenizer_practice_sample] + copies + varied + reads
@@ -148,6 +154,8 @@ class Demo:
         write_jsonl(p["sft_read"], [e.to_dict() for e in reads])
         write_jsonl(p["copy_check"], [e.to_dict() for e in copy_check])
         write_jsonl(p["read_check"], [e.to_dict() for e in read_check])
+        write_jsonl(p["sft_short"], [e.to_dict() for e in shorts])
+        write_jsonl(p["short_check"], [e.to_dict() for e in short_check])
         if cur.rl_questions:
             write_jsonl(p["grpo_qa"], [r.to_dict() for r in rl_records])
         write_jsonl(p["qa"], [r.to_dict() for r in records])  # last: its existence marks the stage done
@@ -189,7 +197,13 @@ class Demo:
               "sft.packing=false", f"sft.seq_length={d.reading_warmup_seq_length}",
               f"sft.global_batch_size={d.reading_warmup_batch}", f"sft.micro_batch_size={d.reading_warmup_batch}",
               f"checkpoint.save_interval={d.reading_warmup_steps}",
-              *self._skill_check(p["read_check"], d.reading_threshold)], self.log)
+              *self._skill_check(self._reading_check(), d.reading_threshold)], self.log)
+
+    def _reading_check(self) -> Path:
+        """The reading warm-up's held-out check: short trajectories of an unseen practice world when it trains on
+        short trajectories (the answer copied out of the real results), else the reading drills."""
+        p = self.paths()
+        return p["short_check"] if self.curriculum.reading_warmup_mix.get("short") else p["read_check"]
 
     def _start(self) -> list[str]:
         """`checkpoint.load` of the latest warm-up stage that ran (none: from scratch)."""
