@@ -44,7 +44,16 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     cmds = [line for line in (out / "demo.log").read_text().splitlines() if line.startswith("$ megatron-search sft")]
     assert len(cmds) == 3
     assert "checkpoint.load" not in cmds[0] and f"checkpoint.load={out / 'warmup' / 'checkpoints'}" in cmds[1]
-    assert "sft_copy_varied.jsonl: 0.5" in cmds[1] and "sft_read.jsonl: 0.5" in cmds[1]
+    # the reading warm-up (default mix): short trajectories, checked on those of a practice world it never trains on
+    assert "sft_short.jsonl: 1.0" in cmds[1] and f"sft.skill_check.path={out / 'short_check.jsonl'}" in cmds[1]
+    shorts = [json.loads(line) for line in (out / "sft_short.jsonl").open()]
+    right = [p for p in practice if p["metadata"]["strategy"] in ("search", "redundant")]
+    assert [s["messages"] for s in shorts] == [p["messages"][1:] for p in right] and not any(s["tools"] for s in shorts)
+    check = [json.loads(line) for line in (out / "short_check.jsonl").open()]
+    asked = {s["messages"][0]["content"] for s in shorts}
+    assert len(check) == 64 and sum(c["messages"][0]["content"] in asked for c in check) <= 3
+    assert all(c["messages"][-1]["content"].startswith(c["messages"][1]["tool_calls"][0]["function"]["arguments"]
+                                                       ["query"]) for c in check if c["metadata"]["strategy"] == "search")
     assert f"checkpoint.load={out / 'reading_warmup' / 'checkpoints'}" in cmds[2] and "sft_practice.jsonl: 0.3" in cmds[2]
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}
@@ -92,7 +101,8 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
         assert w["step"] == 2 and logged[-1]["iteration"] == 2 and w["accuracy"] == logged[-1]["accuracy"]
         assert ("reached at step 2" if w["reached"] else "NOT reached by step 2") in (out / "report.md").read_text()
     check_names = {json.loads(line)["messages"][1]["content"] for line in (out / "copy_check.jsonl").open()}
-    assert len(check_names) == 64 and not check_names & {c["messages"][1]["content"] for c in copies}
+    # names of the word pool (demo.name_words): fresh combinations, but a one-word name can recur (11 of 64 here)
+    assert len(check_names) == 64 and len(check_names & {c["messages"][1]["content"] for c in copies}) <= 16
     assert sorted(rep["figures"]) == ["grpo_penalties.png", "grpo_rewards.png"]
     assert all((out / f).stat().st_size > 1000 for f in rep["figures"])
     # Everything is done: a second call runs no stage again and rewrites the same report.
