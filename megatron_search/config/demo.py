@@ -40,7 +40,7 @@ class DemoConfig(Section):
         1024, description="0: names are made of freshly invented syllable words, several BPE tokens each. N: every "
         "invented word (of the demo world, the practice worlds and the drills) is drawn from a pool of N words, and "
         "each pool word is one token of the demo tokenizer (counted in the model's vocabulary), so copying a name "
-        "is copying 1-3 whole tokens (data/world.word_pool). Seed 1 with 1024 (measured, README): the copy warm-up "
+        "is copying 1-3 whole tokens (data/world.word_pool). Seed 1 with 1024 (measured): the copy warm-up "
         "reached 90% at step 400 instead of 600 on syllable names")
     practice_worlds: NonNegativeInt = Field(
         30, description="extra invented worlds whose single-hop trajectories are the 'practice' SFT part "
@@ -104,11 +104,11 @@ class DemoConfig(Section):
         "trajectories answered, whose answers the policy may recall instead of searching). Split by subject: "
         "a search for a subject may show all its facts, so no SFT trajectory reads an RL question's answer. "
         "Seed 1, profile world with the word pool, 0.5: GRPO - SFT +7.5 points (SE 2.8) against +1.6 (SE 3.2) "
-        "without (measured, README)")
+        "without (measured)")
     grpo_lr: PositiveFloat = Field(
         3e-4, description="constant GRPO learning rate (no warm-up). From one SFT checkpoint (seed 1), held-out GRPO - "
         "SFT: +2.7 points (SE 1.9) at 1e-4, +6.3 (SE 2.3) at 3e-4, -1.6 (SE 2.0) at 6e-4, where broken tool calls "
-        "doubled (measured; README)")
+        "doubled (measured on the profile world, session 13)")
     pass_k: PositiveInt = Field(8, description="samples per training question for the report's SFT pass@k (RL's "
                                 "ceiling: GRPO can only sharpen what the policy does some of the time)")
     pass_k_questions: PositiveInt = Field(48, description="training questions sampled for the pass@k")
