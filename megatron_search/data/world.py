@@ -186,7 +186,7 @@ def _value(attr, rng: random.Random) -> str:
 
 PHRASINGS = ("any", "first")
 # How documents state facts: a profile page per (entity, site) with several of its facts, or one page per
-# (fact, site) stating that fact alone (the CPU demo's reading-free world: a search finds the one sentence).
+# (fact, site) stating that fact alone (the CPU demo's world: a search for the fact finds its one sentence).
 DOCUMENT_LAYOUTS = ("profiles", "facts")
 
 

@@ -134,9 +134,9 @@ class Demo:
                                     answer=cur.answer_style, phrasing=cur.world_phrasing, words=words)
         shorts = short_trajectories(practice)
         # a practice world no training trajectory comes from: its short trajectories check the "short" warm-up
-        check_world, _ = practice_trajectories(world, 1, cfg.run.seed + 1_000_003, cfg.search, cur.answer_style,
-                                               cur.world_phrasing, words=words, layout=cur.world_layout)
-        short_check = short_trajectories(check_world)[:cur.skill_check_drills]
+        unseen, _ = practice_trajectories(world, 1, cfg.run.seed + 1_000_003, cfg.search, cur.answer_style,
+                                          cur.world_phrasing, words=words, layout=cur.world_layout)
+        short_check = short_trajectories(unseen)[:cur.skill_check_drills]
         fmt = ChatFormat(style=cfg.model.chat_style)
         # the tokenizer sees a sample of the practice trajectories: their text repeats the tool schema and templates
         sample = examples + practice[:cur.tokenizer_practice_sample] + copies + varied + reads
