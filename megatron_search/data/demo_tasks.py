@@ -51,6 +51,8 @@ def _held_out(entity_id: str, seed: int, fraction: float) -> bool:
 
 
 QUERY_STYLES = ("subject", "fact")
+# What a trajectory must search to find its fact in a world of each document layout (world.DOCUMENT_LAYOUTS).
+QUERY_FOR_LAYOUT = {"profiles": "subject", "facts": "fact"}
 
 
 def fact_query(relation: str, subject: str) -> str:
@@ -310,7 +312,7 @@ def practice_trajectories(demo_world: World, num_worlds: int, seed: int, search_
         world = build_world(seed=seed * 1000 + 1 + k, phrasing=phrasing, words=words, layout=layout)
         backend = LocalSearchBackend.from_docs([asdict(d) for d in world.documents], search_cfg.snippet_chars)
         tool = SearchTool.from_config(search_cfg, backend=backend)
-        records = one_hop_records(world, seed=seed, query="fact" if layout == "facts" else "subject")
+        records = one_hop_records(world, seed=seed, query=QUERY_FOR_LAYOUT[layout])
         examples, _ = one_hop_sft_examples(records, tool, answer=answer,
                                            strategies=strategies, pool=names_by_type(world), seed=seed + k)
         for ex in examples:

@@ -274,7 +274,7 @@ def build_world(seed: int = 0, num_entities: int = 300, min_sources: int = 2,
                 support[f.id].append(did)
     # Else one profile page per (entity, site) stating the entity's facts that this site carries.
     pages: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for f in facts if layout == "profiles" else ():
+    for f in facts if layout == "profiles" else ():  # "facts": no profile pages
         for site in fact_sites[f.id]:
             # A relation fact lives on the subject's or the object's page, chosen at random.
             host = f.subject if f.literal or rng.random() < 0.6 else f.object

@@ -32,8 +32,9 @@ from megatron_search.chat.format import ChatFormat
 from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.config import load_config
 from megatron_search.config.demo import STRATEGIES
-from megatron_search.data.demo_tasks import (copy_drills, names_by_type, one_hop_records, one_hop_sft_examples,
-                                             practice_trajectories, reading_drills, short_trajectories, split_for_rl)
+from megatron_search.data.demo_tasks import (QUERY_FOR_LAYOUT, copy_drills, names_by_type, one_hop_records,
+                                             one_hop_sft_examples, practice_trajectories, reading_drills,
+                                             short_trajectories, split_for_rl)
 from megatron_search.data.jsonl import read_jsonl, write_jsonl
 from megatron_search.data.world import build_world, word_pool
 from megatron_search.eval import BenchmarkSpec, evaluate
@@ -115,7 +116,7 @@ class Demo:
         world.save(p["world"])
         docs = [{"id": d.id, "title": d.title, "url": d.url, "text": d.text} for d in world.documents]
         build_index(docs, p["index"], progress=False)
-        records = one_hop_records(world, seed=cfg.run.seed, query="fact" if cur.world_layout == "facts" else "subject")
+        records = one_hop_records(world, seed=cfg.run.seed, query=QUERY_FOR_LAYOUT[cur.world_layout])
         tool = SearchTool.from_config(cfg.search.model_copy(update={"index_dir": str(p["index"])}))
         sft_records, rl_records = split_for_rl(records, cfg.run.seed, cur.rl_questions)
         examples, dropped = one_hop_sft_examples(sft_records, tool, cur.answer_style,
