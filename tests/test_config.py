@@ -152,3 +152,12 @@ def test_router_loss_coefficients_come_from_our_config_only(tmp_path, arch):
     assert c.moe_z_loss_coeff == 0.002
     assert "moe_z_loss_coeff: Input should be greater than or equal to 0" in problems(
         f"model.hf_config={tmp_path}", "model.moe_z_loss_coeff=-1")[0]
+
+
+def test_demo_mix_parts_must_be_written():
+    """A demo mix that weighs a part its worlds do not produce is refused when the config is built."""
+    (p,) = problems("demo.reading_worlds=0")  # the default reading warm-up trains on 'short' trajectories
+    assert p.startswith("demo:") and "reading_warmup_mix weighs 'short'" in p and "reading_worlds is 0" in p
+    assert load_config(None, ["demo.reading_worlds=0", "demo.reading_warmup_mix={read: 1.0}"]).demo.reading_worlds == 0
+    (p,) = problems("demo.practice_worlds=0")
+    assert "sft_mix weighs 'practice'" in p

@@ -19,6 +19,7 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     # every optional part on: first-template world, sentence answers, a practice world, the reading warm-up
     overrides = ["demo.copy_drills=3000", "demo.reading_drills=1000", "demo.warmup_steps=2", "demo.warmup_batch=8",
                  "demo.answer_style=sentence", "demo.world_phrasing=first", "demo.practice_worlds=1",
+                 "demo.reading_worlds=1",
                  "demo.sft_mix={tool: 0.5, practice: 0.3, read: 0.2}", "demo.reading_warmup_steps=2",
                  "demo.reading_warmup_batch=4", "sft.packing=false", "sft.seq_length=736",
                  "sft.steps=2", "sft.global_batch_size=2", "sft.micro_batch_size=2",
@@ -44,16 +45,19 @@ def test_demo_runs_every_stage_then_resumes(tmp_path, capsys):
     cmds = [line for line in (out / "demo.log").read_text().splitlines() if line.startswith("$ megatron-search sft")]
     assert len(cmds) == 3
     assert "checkpoint.load" not in cmds[0] and f"checkpoint.load={out / 'warmup' / 'checkpoints'}" in cmds[1]
-    # the reading warm-up (default mix): short trajectories, checked on those of a practice world it never trains on
+    # the reading warm-up (default mix): one-search trajectories of its own world (demo.reading_worlds), without
+    # the system prompt, checked on those of a world it never trains on
     assert "sft_short.jsonl: 1.0" in cmds[1] and f"sft.skill_check.path={out / 'short_check.jsonl'}" in cmds[1]
     shorts = [json.loads(line) for line in (out / "sft_short.jsonl").open()]
-    right = [p for p in practice if p["metadata"]["strategy"] in ("search", "redundant")]
-    assert [s["messages"] for s in shorts] == [p["messages"][1:] for p in right] and not any(s["tools"] for s in shorts)
     check = [json.loads(line) for line in (out / "short_check.jsonl").open()]
+    for rows in (shorts, check):
+        assert all([m["role"] for m in r["messages"]] == ["user", "assistant", "tool", "assistant"] and not r["tools"]
+                   and r["metadata"]["strategy"] == "search" for r in rows)
+        assert all(r["messages"][-1]["content"].startswith(r["messages"][1]["tool_calls"][0]["function"]["arguments"]
+                                                           ["query"]) for r in rows)
     asked = {s["messages"][0]["content"] for s in shorts}
+    assert len(shorts) > 100 and len(asked & {p["messages"][1]["content"] for p in practice}) <= 3
     assert len(check) == 64 and sum(c["messages"][0]["content"] in asked for c in check) <= 3
-    assert all(c["messages"][-1]["content"].startswith(c["messages"][1]["tool_calls"][0]["function"]["arguments"]
-                                                       ["query"]) for c in check if c["metadata"]["strategy"] == "search")
     assert f"checkpoint.load={out / 'reading_warmup' / 'checkpoints'}" in cmds[2] and "sft_practice.jsonl: 0.3" in cmds[2]
     rep = json.loads((out / "report.json").read_text())
     assert set(rep["heldout"]) == {"sft", "grpo"}

@@ -1,6 +1,7 @@
-"""sft.skill_check: an SFT run checks its skill greedily and stops once the threshold is reached; the greedy
-decode equals transformers' greedy generate on the same weights; a resumed run that reached it does nothing;
-a layout the check cannot decode on is refused when the config is built."""
+"""sft.skill_check: an SFT run checks its skill greedily and stops once the threshold is reached; a missed
+check logs what it expected and what it got; the greedy decode equals transformers' greedy generate on the
+same weights; a resumed run that reached it does nothing; a layout the check cannot decode on is refused
+when the config is built."""
 from __future__ import annotations
 
 import json
@@ -43,7 +44,11 @@ def test_skill_check_stops_the_run_and_decodes_as_transformers(tmp_path):
     assert summary.get("skill_reached") and last < 120, summary
     assert [c["iteration"] for c in checks] == list(range(5, last + 1, 5))
     assert all(not c["reached"] for c in checks[:-1]) and checks[-1] == {"iteration": last, "accuracy": 1.0,
-                                                                          "reached": True}
+                                                                          "reached": True, "misses": []}
+    # A missed check names what was expected and what the model answered (the decode after that step).
+    answer = ex["messages"][-1]["content"]
+    assert all(c["misses"] == [{"expected": answer, "got": enc.parse_turn(seen[c["iteration"]]).content}]
+               for c in checks[:-1])
     logged = [json.loads(line) for line in (tmp_path / "run" / "skill_checks.jsonl").open()]
     assert logged == checks
     assert enc.parse_turn(seen[last]).content == ex["messages"][-1]["content"]

@@ -192,13 +192,16 @@ def one_hop_sft_examples(records: list[QARecord], tool: SearchTool, answer: str 
 
 
 def short_trajectories(examples: Sequence[SFTExample]) -> list[SFTExample]:
-    """The trajectories that answer right (strategies "search" and "redundant"), without the system prompt
-    and the tool schema: the copying an agent does (the subject into its query, the found fact into its
-    answer) at the same relative offsets (RoPE) as in the full trajectory, in rows about a third as long.
-    A warm-up on them teaches that copying before the agent SFT (demo.reading_warmup_mix, part "short")."""
+    """The trajectories that search once and answer (strategy "search"), without the system prompt and the
+    tool schema: the copying an agent does (the subject into its query, the found fact into its answer) at
+    the same relative offsets (RoPE) as in the full trajectory, in rows about a third as long. A warm-up on
+    them teaches that copying before the agent SFT (demo.reading_warmup_mix, part "short"). Trajectories that
+    search twice ("redundant") are left out: after the first result they search again where these answer,
+    and with both in the warm-up, its check of the answer measured that coin flip (0-77% from check to check,
+    with empty answers: another call) instead of the copying."""
     out = []
     for ex in examples:
-        if ex.metadata.get("strategy", "search") not in ("search", "redundant"):
+        if ex.metadata.get("strategy", "search") != "search":
             continue
         messages = [m for m in ex.messages if m["role"] != "system"]
         out.append(SFTExample(f"short-{ex.id}", ex.kind, messages, [], list(ex.loss_roles), dict(ex.metadata)))

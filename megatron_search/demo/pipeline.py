@@ -133,7 +133,10 @@ class Demo:
         copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003, words=words)
         read_check = reading_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003,
                                     answer=cur.answer_style, phrasing=cur.world_phrasing, words=words)
-        shorts = short_trajectories(practice)
+        # the reading warm-up's own worlds: one-search trajectories of facts no other part states
+        reading, _ = practice_trajectories(world, cur.reading_worlds, cfg.run.seed + 2_000_003, cfg.search,
+                                           cur.answer_style, cur.world_phrasing, words=words, layout=cur.world_layout)
+        shorts = short_trajectories(reading)
         # a practice world no training trajectory comes from: its short trajectories check the "short" warm-up
         unseen, _ = practice_trajectories(world, 1, cfg.run.seed + 1_000_003, cfg.search, cur.answer_style,
                                           cur.world_phrasing, words=words, layout=cur.world_layout)
@@ -166,7 +169,8 @@ class Demo:
         print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
               f"({n_test} held out, {len(rl_records)} kept for GRPO); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
               f"the answer), {len(practice)} practice trajectories from {cur.practice_worlds} extra worlds ({clashes} "
-              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills; "
+              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills, {len(shorts)} short trajectories from "
+              f"{cur.reading_worlds} reading worlds; "
               "strategies: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items())), flush=True)
 
     def warmup(self) -> None:

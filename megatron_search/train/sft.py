@@ -87,7 +87,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     after each step; both on every rank (progress hooks, tests).
     Summary: {"iterations": [...], "losses": [...], "grad_norms": [...], "stopped": bool,
     "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut, "rank",
-    "skill_checks": [{"iteration", "accuracy", "reached"}], "skill_reached": set when sft.skill_check ended the
+    "skill_checks": [{"iteration", "accuracy", "reached", "misses"}], "skill_reached": set when sft.skill_check ended the
     run (checkpoint saved; the checks are also in <output_dir>/skill_checks.jsonl)}.
     """
     ctx = init_distributed(cfg, env=env, stage="sft")  # batch sizes against the real data-parallel size
@@ -132,9 +132,10 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
                 on_step(it, m)
             reached = False
             if check is not None and (check.due(it) or it == cfg.sft.steps):  # the cap's step is always checked
-                acc = _agreed_min(check.accuracy(trainer.model[0]))
+                acc, misses = check.grade(trainer.model[0])
+                acc = _agreed_min(acc)
                 reached = acc >= cfg.sft.skill_check.threshold
-                summary["skill_checks"].append({"iteration": it, "accuracy": acc, "reached": reached})
+                summary["skill_checks"].append({"iteration": it, "accuracy": acc, "reached": reached, "misses": misses})
                 writer.scalars(it, {"train/skill_check_accuracy": acc})
                 if ctx.is_main:
                     append_jsonl(checks_log, summary["skill_checks"][-1])

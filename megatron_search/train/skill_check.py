@@ -86,5 +86,11 @@ class SkillCheck:
         return [self.encoder.parse_turn(o).content for o in outs]
 
     def accuracy(self, model) -> float:
+        return self.grade(model)[0]
+
+    def grade(self, model, show: int = 3) -> tuple[float, list[dict]]:
+        """(share answered exactly, the first `show` misses as {"expected", "got"}): the misses say what the
+        skill lacks (an empty "got" is a turn without text, e.g. another tool call instead of the answer)."""
         got = self.answers(model)
-        return sum(a == e for a, e in zip(got, self.expected)) / len(self.expected)
+        misses = [{"expected": e, "got": a} for a, e in zip(got, self.expected) if a != e]
+        return 1 - len(misses) / len(self.expected), misses[:show]
