@@ -169,8 +169,8 @@ class Demo:
         print(f"   world: {len(world.entities)} entities, {len(docs)} documents; {len(records)} questions "
               f"({n_test} held out, {len(rl_records)} kept for GRPO); {len(examples)} tool trajectories ({len(dropped)} dropped: search missed "
               f"the answer), {len(practice)} practice trajectories from {cur.practice_worlds} extra worlds ({clashes} "
-              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills, {len(shorts)} short trajectories from "
-              f"{cur.reading_worlds} reading worlds; "
+              f"dropped: they name a demo entity), {len(copies)} + {len(varied)} copy and {len(reads)} reading drills, "
+              f"{len(shorts)} short trajectories from {cur.reading_worlds} reading worlds; "
               "strategies: " + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(shares.items())), flush=True)
 
     def warmup(self) -> None:

@@ -87,8 +87,9 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
     after each step; both on every rank (progress hooks, tests).
     Summary: {"iterations": [...], "losses": [...], "grad_norms": [...], "stopped": bool,
     "checkpoint": path of the last checkpoint written (or None), "truncated": examples cut, "rank",
-    "skill_checks": [{"iteration", "accuracy", "reached", "misses"}], "skill_reached": set when sft.skill_check ended the
-    run (checkpoint saved; the checks are also in <output_dir>/skill_checks.jsonl)}.
+    "skill_checks": [{"iteration", "accuracy", "reached", "misses": the first few {"expected", "got"}}],
+    "skill_reached": set when sft.skill_check ended the run (checkpoint saved; the checks are also in
+    <output_dir>/skill_checks.jsonl)}.
     """
     ctx = init_distributed(cfg, env=env, stage="sft")  # batch sizes against the real data-parallel size
     stop = StopRequest()

@@ -51,7 +51,7 @@ def greedy_decode(model, prompts: Sequence[Sequence[int]], stop_ids: Sequence[in
 
 
 class SkillCheck:
-    """The held-out examples of one sft.skill_check, encoded once; `accuracy(model)` decodes and grades them."""
+    """The held-out examples of one sft.skill_check, encoded once; `grade(model)` decodes and grades them."""
 
     def __init__(self, cfg, encoder):
         sc = cfg.sft.skill_check
@@ -85,12 +85,9 @@ class SkillCheck:
             model.train(was_training)
         return [self.encoder.parse_turn(o).content for o in outs]
 
-    def accuracy(self, model) -> float:
-        return self.grade(model)[0]
-
     def grade(self, model, show: int = 3) -> tuple[float, list[dict]]:
         """(share answered exactly, the first `show` misses as {"expected", "got"}): the misses say what the
         skill lacks (an empty "got" is a turn without text, e.g. another tool call instead of the answer)."""
         got = self.answers(model)
         misses = [{"expected": e, "got": a} for a, e in zip(got, self.expected) if a != e]
-        return 1 - len(misses) / len(self.expected), misses[:show]
+        return (len(got) - len(misses)) / len(got), misses[:show]
