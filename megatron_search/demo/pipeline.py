@@ -133,14 +133,15 @@ class Demo:
         copy_check = copy_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003, words=words)
         read_check = reading_drills(world, cur.skill_check_drills, seed=cfg.run.seed + 1_000_003,
                                     answer=cur.answer_style, phrasing=cur.world_phrasing, words=words)
-        # the reading warm-up's own worlds: one-search trajectories of facts no other part states
-        reading, _ = practice_trajectories(world, cur.reading_worlds, cfg.run.seed + 2_000_003, cfg.search,
-                                           cur.answer_style, cur.world_phrasing, words=words, layout=cur.world_layout)
-        shorts = short_trajectories(reading)
-        # a practice world no training trajectory comes from: its short trajectories check the "short" warm-up
-        unseen, _ = practice_trajectories(world, 1, cfg.run.seed + 1_000_003, cfg.search, cur.answer_style,
-                                          cur.world_phrasing, words=words, layout=cur.world_layout)
-        short_check = short_trajectories(unseen)[:cur.skill_check_drills]
+        def one_search(num_worlds: int, seed: int) -> list:
+            """Short one-search trajectories over `num_worlds` fresh worlds (short_trajectories)."""
+            found, _ = practice_trajectories(world, num_worlds, seed, cfg.search, cur.answer_style, cur.world_phrasing,
+                                             words=words, layout=cur.world_layout)
+            return short_trajectories(found)
+
+        shorts = one_search(cur.reading_worlds, cfg.run.seed + 2_000_003)  # the reading warm-up's own worlds
+        # a world no training trajectory comes from: its short trajectories check the "short" warm-up
+        short_check = one_search(1, cfg.run.seed + 1_000_003)[:cur.skill_check_drills]
         fmt = ChatFormat(style=cfg.model.chat_style)
         # the tokenizer sees a sample of the practice trajectories: their text repeats the tool schema and templates
         sample = examples + practice[:cur.tokenizer_practice_sample] + copies + varied + reads
