@@ -31,7 +31,7 @@ from megatron_search.search.tool import SearchTool, format_results
 
 from .records import QARecord
 from .sft import SYSTEM_PROMPT, SFTExample, _call
-from .world import PHRASINGS, World, _Names, build_world
+from .world import NAME_VOCAB, PHRASINGS, World, _Names, build_world
 from .world_schema import ENTITY_TYPES, RELATION_BY_NAME, RELATIONS
 
 
@@ -107,12 +107,23 @@ def miss_query(rec: QARecord) -> str:
     return f"{ENTITY_TYPES[rel.obj][0]} {rel.top_inv}"
 
 
+# What an episode did, for the report: STRATEGIES, plus "altered": its query keeps every word coined for the
+# subject's name but changes or drops a shared one ("The Quiet Synunerk" for The Distant Synunerk), which the
+# coined word alone lets bm25 find.
+EPISODE_STRATEGIES = ("search", "altered", "no_search", "miss", "redundant")
+
+
 def classify_strategy(queries: list[str], subject: str) -> str:
-    """Which of STRATEGIES a transcript followed, from its search queries and the question's subject."""
+    """Which of EPISODE_STRATEGIES a transcript followed, from its search queries and the question's subject:
+    search / redundant when one / several queries ran and one holds the subject's name, altered when none does
+    but one holds every word coined for it (data/world.NAME_VOCAB: the words names share), else miss."""
     if not queries:
         return "no_search"
     if any(subject.lower() in q.lower() for q in queries):
         return "search" if len(queries) == 1 else "redundant"
+    coined = {w for w in re.findall(r"\w+", subject.lower()) if w not in NAME_VOCAB}
+    if coined and any(coined <= set(re.findall(r"\w+", q.lower())) for q in queries):
+        return "altered"
     return "miss"
 
 

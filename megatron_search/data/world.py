@@ -36,6 +36,9 @@ _BOOK_ADJ = ["Silent", "Hollow", "Amber", "Distant", "Crooked", "Winter", "Gilde
 _COMPANY_SUFFIX = ["Systems", "Labs", "Dynamics", "Works", "Analytics", "Robotics", "Foods", "Press",
                    "Networks", "Holdings"]
 _FESTIVAL_KIND = ["Lantern", "Harvest", "Film", "Jazz", "Kite", "Poetry", "Light", "Folk"]
+# the words names share (every other word of a name is coined for it, once per world)
+NAME_VOCAB = frozenset(w.lower() for w in ["The", "Launchpad", "University", "Festival", *_BOOK_ADJ,
+                                           *_COMPANY_SUFFIX, *_FESTIVAL_KIND])
 _SITES = ["wikiverse.example", "almanac.example", "dailyledger.example", "atlasnotes.example"]
 _RUMOR_SITE = "forum.example"
 _RUMOR_PREFIX = ["Someone on this board claimed that", "I read somewhere that", "Unconfirmed:"]

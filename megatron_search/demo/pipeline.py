@@ -31,10 +31,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from megatron_search.chat.format import ChatFormat
 from megatron_search.chat.tokenizer import BPETokenizer
 from megatron_search.config import load_config
-from megatron_search.config.demo import STRATEGIES
-from megatron_search.data.demo_tasks import (QUERY_FOR_LAYOUT, copy_drills, names_by_type, one_hop_records,
-                                             one_hop_sft_examples, practice_trajectories, reading_drills,
-                                             short_trajectories, split_for_rl)
+from megatron_search.data.demo_tasks import (EPISODE_STRATEGIES, QUERY_FOR_LAYOUT, copy_drills, names_by_type,
+                                             one_hop_records, one_hop_sft_examples, practice_trajectories,
+                                             reading_drills, short_trajectories, split_for_rl)
 from megatron_search.data.jsonl import read_jsonl, write_jsonl
 from megatron_search.data.world import build_world, word_pool
 from megatron_search.eval import BenchmarkSpec, evaluate
@@ -301,7 +300,7 @@ class Demo:
                       f"(paired over {d['questions']} held-out questions)"]
         lines += ["", "Strategy of each held-out episode, from its queries (share of episodes, and their accuracy):", "",
                   "| strategy | " + " | ".join(rep["strategies"]) + " |", "| --- |" + " --- |" * len(rep["strategies"])]
-        for st in STRATEGIES:
+        for st in EPISODE_STRATEGIES:
             cells = []
             for table in rep["strategies"].values():
                 acc = table[st]["accuracy"]

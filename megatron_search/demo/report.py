@@ -8,8 +8,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from megatron_search.config.demo import STRATEGIES
-from megatron_search.data.demo_tasks import classify_strategy
+from megatron_search.data.demo_tasks import EPISODE_STRATEGIES, classify_strategy
 
 # RECIPE 7: base reward and preference rise (figure 2); tool calls and length stay controlled and both
 # penalties fall (figure 3).
@@ -33,7 +32,7 @@ def strategy_table(rows: Sequence[dict], subjects: dict[str, str]) -> dict[str, 
         correct[s] += r["grade"] == "CORRECT"
     n = max(1, sum(counts.values()))
     return {s: {"share": counts[s] / n, "accuracy": correct[s] / counts[s] if counts[s] else None}
-            for s in STRATEGIES}
+            for s in EPISODE_STRATEGIES}
 
 
 def pass_at_k(rows: Sequence[dict]) -> dict:
