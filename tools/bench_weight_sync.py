@@ -2,7 +2,8 @@
 """Weight-sync throughput on CPU: export (TP=2 gather to rank 0) and export + delivery into a local engine.
 
 A Qwen3-MoE model of about `--gb` GB (fp32, random weights) is built at TP=2 on 2 gloo processes
-(`--tp 1`: data parallel, GRPO path only).
+(`--tp 1`: data parallel; `--ep 2`: experts split over the 2 processes whole, ETP=1, as every GRPO config
+places them; both GRPO path only).
 Measured in the same run, on the same bytes:
   memcpy      torch copy of every HF tensor's bytes (2 threads) - the machine's ceiling
   gloo p2p    raw send/recv of the bytes rank 1 must ship, in bucket-sized messages
@@ -16,7 +17,7 @@ groups) into a local engine server in its own process, against a raw gloo broadc
 bytes by the same two processes; the ratio raw time / sync time is printed, and the CPU seconds per GB
 that each process spent on either (the push's work is spread over three processes on the same cores).
 
-    python tools/bench_weight_sync.py [--gb 1.0] [--buckets-mb 64,256] [--grpo-only [--tp 1]]
+    python tools/bench_weight_sync.py [--gb 1.0] [--buckets-mb 64,256] [--grpo-only [--tp 1] [--ep 2]]
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _grpo_path(chunks, arch, ctx, url: str, bucket_mb: int, repeats: int, total:
 
 
 def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_repeats: int, grpo_only: bool,
-          engine_pid: int, tp: int) -> dict:
+          engine_pid: int, tp: int, ep: int) -> dict:
     import torch.distributed as dist
 
     from megatron_search.config.loader import load_config
@@ -138,8 +139,9 @@ def _rank(model_dir: str, buckets_mb: list[int], repeats: int, url: str, grpo_re
     from megatron_search.weights.export import HFExporter
 
     torch.set_num_threads(1)
-    cfg = load_config(None, [f"model.hf_config={model_dir}", f"parallel.tp={tp}", f"parallel.etp={tp}",
-                             f"parallel.sequence_parallel={tp > 1}", "parallel.world_size=2"])
+    etp = tp if ep == 1 else 1  # experts either tensor-parallel with the rest or spread over EP (ETP=1)
+    cfg = load_config(None, [f"model.hf_config={model_dir}", f"parallel.tp={tp}", f"parallel.ep={ep}",
+                             f"parallel.etp={etp}", f"parallel.sequence_parallel={tp > 1}", "parallel.world_size=2"])
     ctx = init_distributed(cfg)
     arch = cfg.model.architecture
     chunks = build_model_chunks(cfg, ctx.groups)
@@ -246,9 +248,14 @@ def main() -> None:
     ap.add_argument("--tp", type=int, choices=(1, 2), default=2,
                     help="tensor parallel size of the 2 training processes (1: data parallel, no TP gathers; only "
                          "with --grpo-only)")
+    ap.add_argument("--ep", type=int, choices=(1, 2), default=1,
+                    help="expert parallel size (2: each process holds half the experts whole, ETP=1, the layout of "
+                         "every GRPO config; 1: experts tensor-parallel like the rest; only with --grpo-only)")
     args = ap.parse_args()
     if args.tp == 1 and not args.grpo_only:
         ap.error("--tp 1 measures the GRPO path only: pass --grpo-only")
+    if args.ep == 2 and not args.grpo_only:
+        ap.error("--ep 2 measures the GRPO path only: pass --grpo-only")
     from megatron_search.rollout.local.launch import launch_local_server
     from megatron_search.weights.launch import run_ranks
 
@@ -258,7 +265,7 @@ def main() -> None:
         server = launch_local_server(None, [f"model.hf_config={tmp}"], Path(tmp) / "engine.log", timeout_s=600)
         try:
             res = run_ranks(_rank, 2, tmp, buckets, args.repeats, server.url, args.grpo_repeats, args.grpo_only,
-                            server.proc.pid, args.tp)[0]
+                            server.proc.pid, args.tp, args.ep)[0]
         finally:
             server.stop()
     total = res["total_bytes"]
@@ -267,7 +274,8 @@ def main() -> None:
         _print_export(res, gb, total)
     g = res["grpo"]
     print(f"GRPO path   {gb / g['sync_s']:8.2f} GB/s   (WeightSync.push, both ranks sending, broadcast groups into a "
-          f"local engine server, {max(buckets)} MB buckets, TP={args.tp})")
+          f"local engine server, {max(buckets)} MB buckets, TP={args.tp}, "
+          f"{'EP=2 ETP=1' if args.ep == 2 else f'ETP={args.tp}'})")
     print(f"raw gloo    {gb / g['raw_broadcast_s']:8.2f} GB/s   (dist.broadcast of the same {gb:.2f} GB by the same "
           f"2 processes)")
     print(f"ratio       {g['raw_broadcast_s'] / g['sync_s']:8.3f}        (GRPO path / raw broadcast, best of "
