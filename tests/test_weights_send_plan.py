@@ -114,3 +114,25 @@ def test_sync_time_overlaps_each_rounds_moves_with_the_last_rounds_deliveries():
     est = estimate_sync("t", plan, rank_node, [0], costs, nic_node=1.0, turns=False)
     assert est.seconds == 500.0
     assert est.nic_seconds == 400.0 and est.nvlink_seconds == 200.0
+
+
+@pytest.mark.parametrize("per_rank", [1, 4])
+def test_experts_go_out_from_their_holders_when_that_balances(per_rank):
+    """EP=2 on one node, one disaggregated destination: each rank holds half of every layer's experts whole,
+    so each can deliver its own half with no shard moved. Before the greedy took equal parameters in turns of
+    their holders, it took one rank's experts in a row and pulled half of them to the other rank."""
+    from megatron_search.weights.send_plan import disaggregated_destination
+
+    unit, layers, experts = 64, 5, 2 * per_rank
+    params = []
+    for layer in range(layers):
+        params.append(ParamShards(f"l{layer}.qkv", ((0,), (1,)), (10, 10), 20))  # TP=2: one shard each
+        params += [ParamShards(f"l{layer}.e{e}", ((e // per_rank,),), (unit,), unit) for e in range(experts)]
+    plan = build_send_plan(params, disaggregated_destination(2, 1, True), [0, 0], bucket_bytes=1000)
+    expert_pulls = [a for a in plan.assignments if ".e" in params[a.param].name and a.sources != (a.sender,)]
+    assert expert_pulls == []
+    delivered = Counter()
+    for a in plan.assignments:
+        if ".e" in params[a.param].name:
+            delivered[a.sender] += unit
+    assert delivered == {0: layers * per_rank * unit, 1: layers * per_rank * unit}

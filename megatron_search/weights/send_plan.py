@@ -222,7 +222,7 @@ def build_send_plan(params: Sequence[ParamShards], destinations: Sequence[Destin
                 raise SendPlanError(f"{p.name}: holder rank outside the world of {world}")
     costs = costs if costs is not None else LinkCosts()
     links = LinkLoad(world, costs)
-    order = sorted(range(len(plan.params)), key=lambda j: (-plan.params[j].hf_bytes, j))
+    order = _holder_turns(plan.params)
     chosen: dict[tuple[int, int], tuple[int, list[int]]] = {}  # (destination, parameter) -> (sender, sources)
 
     def sources_for(p: ParamShards, sender: int) -> list[int]:
@@ -292,6 +292,21 @@ def build_send_plan(params: Sequence[ParamShards], destinations: Sequence[Destin
 
 
 _NIC_OUT, _NIC_IN, _NVL_OUT, _NVL_IN = range(4)
+
+
+def _holder_turns(params: Sequence[ParamShards]) -> list[int]:
+    """The order the greedy takes parameters in: largest first, and parameters of one size (a MoE layer's
+    experts) in turns of their holder sets (each EP rank's first expert, then each one's second, ...).
+    Taken in layer order instead, one rank's experts come in a row and the greedy balances the senders by
+    pulling half of them to another rank (measured at EP=2 on 2 ranks: 235 MB of 487 MB pulled per rank,
+    where what each rank holds balances them with no pull)."""
+    turn: dict[int, int] = {}
+    taken: dict[tuple, int] = {}
+    for j in sorted(range(len(params)), key=lambda j: (-params[j].hf_bytes, j)):
+        group = (params[j].hf_bytes, params[j].holders)
+        turn[j] = taken.get(group, 0)
+        taken[group] = turn[j] + 1
+    return sorted(range(len(params)), key=lambda j: (-params[j].hf_bytes, turn[j], j))
 
 
 def _schedule_rounds(plan: SendPlan, chosen: dict[tuple[int, int], tuple[int, list[int]]], costs: LinkCosts,
