@@ -60,6 +60,7 @@ def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
     from megatron_search.distributed.init import init_distributed
     from megatron_search.models.provider import build_model
     from megatron_search.rollout.sglang.client import SGLangClient
+    from megatron_search.trainer.step import wrap_ddp
     from megatron_search.weights.delivery import WeightSync
 
     torch.set_num_threads(1)
@@ -68,13 +69,18 @@ def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
         cfg = _cfg(arch_dir, tp, pp, ep)
         ctx = init_distributed(cfg)
         chunks = [build_model(cfg, ctx.groups)]
+        chunks = wrap_ddp(cfg, chunks, chunks[0].config)  # as the trainer holds them: parameters in DDP's buffers
         arch = cfg.model.architecture
         for name, (mode, engine_node) in MODES.items():
             clients = [SGLangClient(u) for u in urls]
             sync = WeightSync(clients, mode=mode, bucket_bytes=bucket_bytes, rank_node=RANK_NODE,
                               engine_node=engine_node, disk_dir=f"{work}/disk_{lay}",
-                              inflight="finish" if engine_node else "abort")
+                              inflight="finish" if engine_node else "abort", in_place_min_bytes=0)
             for step in range(2):
+                if mode == "distributed" and step == 1:  # some parameters leave DDP's buffer before they change:
+                    for n, p in chunks[0].named_parameters():  # the sync must stage them, not read where they were
+                        if "linear_fc1" in n:
+                            p.data = p.data.clone()
                 with torch.no_grad():  # a new policy: every parameter changes, identically on every replica
                     for p in chunks[0].parameters():
                         p.mul_(1.0 + 0.01 * (step + 1)).add_(0.001)
@@ -94,6 +100,7 @@ def main(work: str, arch_dir: str, urls: list[str], bucket_bytes: int) -> dict:
                         "peak_extra_bytes": peaks,
                         "model_bytes": stats.bytes,
                         "rounds": stats.buckets,
+                        "in_place_bytes": stats.in_place_bytes,
                     }
             sync.close()
             for c in clients:

@@ -49,6 +49,13 @@ def test_every_engine_holds_the_trainers_weights_after_every_push(results):
         assert r["n_params"] > 50, tag
         assert r["mismatched"] == [[], []], (tag, r["mismatched"])
         assert r["versions"] == [tag, tag], tag
+    # the broadcast path sends runs of parameters from where they lie in DDP's buffers (rank 0's figure)
+    print({tag: r["in_place_bytes"] for tag, r in results.items()})
+    for tag, r in results.items():
+        if "distributed" in tag:
+            assert r["in_place_bytes"] > 0, tag
+        else:
+            assert r["in_place_bytes"] == 0, tag
 
 
 def test_no_rank_is_a_funnel_and_rounds_stay_within_two_buckets(results, capsys):

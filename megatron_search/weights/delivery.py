@@ -65,6 +65,7 @@ class SyncStats:
     sent_bytes: int = 0  # what this rank put on its links (engine-bound x fanout + shards to other senders)
     rank_sent_bytes: list[int] = field(default_factory=list)  # the plan's figure for every rank
     peak_extra_bytes: int = 0  # this rank's largest round (assembled + pulled shards), from the plan
+    in_place_bytes: int = 0  # what this rank broadcast from where its parameters lie (no staging copy)
 
     @property
     def gb_per_s(self) -> float:
@@ -80,7 +81,8 @@ class WeightSync:
                  engine_ranks: Optional[Sequence[int]] = None, group_name: str = "weight_update_group",
                  rank_node: Optional[Sequence[int]] = None, engine_node: Optional[Sequence[int]] = None,
                  world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None,
-                 owns_engines: bool = False, link_costs: Optional[LinkCosts] = None):
+                 owns_engines: bool = False, link_costs: Optional[LinkCosts] = None,
+                 in_place_min_bytes: int = 16 << 20):
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk, got {mode!r}")
         if inflight not in ("abort", "finish"):
@@ -94,6 +96,9 @@ class WeightSync:
         self.owns_engines = owns_engines  # close() closes the clients too
         self.mode, self.inflight = mode, inflight
         self.bucket_bytes, self.out_dtype = bucket_bytes, out_dtype
+        # distributed mode: a run of parameters lying back to back (Megatron DDP's buffers) of at least this
+        # many bytes is broadcast from where it lies, not copied into the staging buffer first
+        self.in_place_min_bytes = in_place_min_bytes
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.sender_address, self.backend = sender_address, backend
         self.engine_ranks = list(engine_ranks) if engine_ranks is not None else [1] * len(self.engines)
@@ -149,7 +154,8 @@ class WeightSync:
         self._barrier()
         sent = plan.sent_bytes()
         return SyncStats(tag, exporter.total_bytes, len(plan.rounds), time.perf_counter() - start,
-                         sent[self.rank], sent, plan.peak_extra_bytes()[self.rank])
+                         sent[self.rank], sent, plan.peak_extra_bytes()[self.rank],
+                         exporter.in_place_bytes_per_push)
 
     def close(self) -> None:
         """Leave this rank's broadcast group (distributed mode), close owned clients, stop the event loop."""
@@ -195,7 +201,9 @@ class WeightSync:
         if self._exporter is None or self._exporter_key != key:
             self._exporter = HFExporter(model_chunks, arch, groups, self.bucket_bytes, out_dtype=self.out_dtype,
                                         world_group=self.world_group, destinations=self.destinations,
-                                        rank_node=self.rank_node, link_costs=self.link_costs)
+                                        rank_node=self.rank_node, link_costs=self.link_costs,
+                                        in_place_min_bytes=self.in_place_min_bytes if self.mode == "distributed"
+                                        else None)
             self._exporter_key = key
         return self._exporter
 
@@ -312,15 +320,17 @@ class WeightSync:
             await asyncio.gather(*(e.update_weights_from_tensor(bucket, weight_version=None, flush_cache=False)
                                    for e in engines))
         else:
-            names = [n for n, _ in bucket]
-            dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
-            shapes = [list(t.shape) for _, t in bucket]
-            calls = asyncio.gather(*(e.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=self._my_group_name(), weight_version=None, flush_cache=False,
-                load_format=FLAT) for e in engines))
             device = "cuda" if self.backend == "nccl" else "cpu"  # NCCL broadcasts from the GPU
-            # one broadcast per bucket (SGLang's flattened_bucket), not one per tensor
-            await asyncio.gather(calls, asyncio.to_thread(send_flat_bucket, self._group, bucket, device))
+            # one broadcast per flattened bucket (SGLang's flattened_bucket), not one per tensor; a round whose
+            # parameters partly lie back to back goes as those runs (read where they lie) and the staged rest
+            for part in getattr(bucket, "parts", None) or [bucket]:
+                names = [n for n, _ in part]
+                dtypes = [str(t.dtype).replace("torch.", "") for _, t in part]
+                shapes = [list(t.shape) for _, t in part]
+                calls = asyncio.gather(*(e.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name=self._my_group_name(), weight_version=None, flush_cache=False,
+                    load_format=FLAT) for e in engines))
+                await asyncio.gather(calls, asyncio.to_thread(send_flat_bucket, self._group, part, device))
 
     async def _finish(self, d: int, tag: str) -> None:
         """Controller, after every rank delivered: the version (and the flush), or the disk load with it."""

@@ -24,6 +24,13 @@ contiguous slices of it (copy, vocab, concat rules) need no further copy, and th
 already the bytes of SGLang's flattened bucket (`FlatBucket.flat`): no per-round allocations, no
 clone, no concatenation before the broadcast. The buffers are reused round after round (the caller
 consumes a round before asking for the next) and released by `StagingBuffers.release`.
+
+With `in_place_min_bytes` (the weight sync's broadcasts), whole parameters whose HF tensors are their own
+bytes in order (an expert's fc1 is [gate; up], its fc2 is down) are not copied at all when they lie back to
+back: Megatron DDP keeps a layer's experts contiguous in its parameter buffer, so a round's run of them is
+sent as a flat view of that buffer (`PartedBucket`: the runs, then the staged rest, one broadcast each).
+Which of a rank's interchangeable assignments go in which round is ordered by address first, so the runs
+are long; no round's bytes or links change.
 """
 from __future__ import annotations
 
@@ -49,6 +56,15 @@ class FlatBucket(list):
     def __init__(self, items: Bucket, flat: torch.Tensor):
         super().__init__(items)
         self.flat = flat
+
+
+class PartedBucket(list):
+    """A destination's round as several flattened buckets (`parts`: runs of parameters sent as they lie, then
+    the staged rest); as a list, all their (name, tensor) pairs. Each part is one broadcast."""
+
+    def __init__(self, parts: list[FlatBucket]):
+        super().__init__(item for part in parts for item in part)
+        self.parts = parts
 
 
 class StagingBuffers:
@@ -118,7 +134,7 @@ class HFExporter:
     def __init__(self, model_chunks, arch: Architecture, groups, bucket_bytes: int, *, dst_rank: int = 0,
                  out_dtype: Optional[torch.dtype] = None, world_group=None,
                  destinations: Optional[Sequence[Destination]] = None, rank_node: Optional[Sequence[int]] = None,
-                 link_costs: Optional[LinkCosts] = None):
+                 link_costs: Optional[LinkCosts] = None, in_place_min_bytes: Optional[int] = None):
         if bucket_bytes <= 0:
             raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_group = world_group
@@ -139,6 +155,18 @@ class HFExporter:
         self.plan: SendPlan = build_send_plan(self.param_shards(), destinations,
                                               rank_node if rank_node is not None else [0] * self.world, bucket_bytes,
                                               link_costs)
+        # in place: runs of at least this many bytes of parameters lying back to back go out as they lie
+        self.in_place_min_bytes = in_place_min_bytes
+        self._lies: dict[int, int] = {}  # entry index -> address of this rank's parameter whose bytes are its HF tensors
+        if in_place_min_bytes is not None:
+            self._lies = self._entries_that_lie_as_sent()
+            self._order_in_place()
+        # bytes one pass over the rounds sends from where the parameters lie (the runs are fixed by the plan)
+        self.in_place_bytes_per_push = sum(
+            self.entries[self.plan.assignments[k].param].hf_bytes(self.out_dtype)
+            for rnd in self.plan.rounds for d in {self.plan.assignments[k].dest for k in rnd.get(self.rank, [])}
+            for run in self._runs([k for k in rnd.get(self.rank, []) if self.plan.assignments[k].dest == d])[0]
+            for k in run) if self._lies else 0
 
     # ---- planning (identical on every rank) ---------------------------------------------------
     def _plan_entries(self) -> list[PlanEntry]:
@@ -312,6 +340,86 @@ class HFExporter:
             named.append((name, dst))
         return named, pos
 
+    # ---- buckets sent from the parameters as they lie (weight sync, broadcast) -------------------
+    def _entries_that_lie_as_sent(self) -> dict[int, int]:
+        """{entry index: its parameter's address} for this rank's whole parameters whose HF tensors are their
+        bytes in order, in the delivered dtype (an expert's fc1 is [gate; up], its fc2 is down): such a
+        parameter's bytes are already its part of a flattened bucket."""
+        out = {}
+        for i, e in enumerate(self.entries):
+            lp = self.local.get(e.name)
+            if lp is None or lp.tp_size > 1 or (self.out_dtype not in (None, e.dtype)):
+                continue
+            t = lp.tensor.detach()
+            if not t.is_contiguous():
+                continue
+            pos = t.data_ptr()
+            for _, h in self.mapping.to_hf(e.match, t, e.zero_centered):
+                if h.data_ptr() != pos or not h.is_contiguous() or h.dtype != t.dtype:
+                    break
+                pos += h.numel() * h.element_size()
+            else:
+                if pos == t.data_ptr() + t.numel() * t.element_size():
+                    out[i] = t.data_ptr()
+        return out
+
+    def _in_place(self, k: int) -> bool:
+        a = self.plan.assignments[k]
+        return a.param in self._lies and a.sender == self.rank and all(src == self.rank for src in a.sources)
+
+    def _order_in_place(self) -> None:
+        """Give this rank's rounds their in-place parameters in address order: among assignments that differ
+        only in which parameter they carry (same destination, same bytes, nothing pulled), the earliest
+        round takes the lowest addresses. Every round keeps its bytes and link loads, no other rank's work
+        changes, and a round's parameters come out as few runs back to back (Megatron DDP's buffers hold a
+        layer's experts contiguously)."""
+        slots: dict[tuple, list[tuple[int, int]]] = {}
+        for r, rnd in enumerate(self.plan.rounds):
+            for pos, k in enumerate(rnd.get(self.rank, [])):
+                if self._in_place(k):
+                    a = self.plan.assignments[k]
+                    slots.setdefault((a.dest, self.plan.params[a.param].hf_bytes), []).append((r, pos))
+        for group in slots.values():
+            ids = sorted((self.plan.rounds[r][self.rank][pos] for r, pos in group),
+                         key=lambda k: self._lies[self.plan.assignments[k].param])
+            for (r, pos), k in zip(group, ids):
+                self.plan.rounds[r][self.rank][pos] = k
+
+    def _runs(self, ids: list[int]) -> tuple[list[list[int]], list[int]]:
+        """This round's in-place assignments for one destination cut into runs that lie back to back and
+        reach `in_place_min_bytes`; the rest (and shorter runs) are assembled into the staging buffer."""
+        # where each parameter lies now (one moved since the plan, by an offload say, starts a run of its own)
+        lying = sorted((k for k in ids if self._in_place(k)),
+                       key=lambda k: self.local[self.entries[self.plan.assignments[k].param].name].tensor.data_ptr())
+        runs: list[list[int]] = []
+        end = storage = None
+        for k in lying:
+            e = self.entries[self.plan.assignments[k].param]
+            t = self.local[e.name].tensor
+            start = t.data_ptr()
+            if runs and start == end and t.untyped_storage().data_ptr() == storage:  # back to back in one buffer
+                runs[-1].append(k)
+            else:
+                runs.append([k])
+            end, storage = start + t.numel() * t.element_size(), t.untyped_storage().data_ptr()
+        keep = [run for run in runs
+                if sum(self.entries[self.plan.assignments[k].param].hf_bytes(self.out_dtype) for k in run)
+                >= self.in_place_min_bytes]
+        kept = {k for run in keep for k in run}
+        return keep, [k for k in ids if k not in kept]
+
+    def _run_bucket(self, run: list[int]) -> "FlatBucket":
+        """A run's HF tensors (views of the parameters) and its bytes as one flat view of their storage."""
+        named = []
+        for k in run:
+            e = self.entries[self.plan.assignments[k].param]
+            named += self.mapping.to_hf(e.match, self.local[e.name].tensor.detach(), e.zero_centered)
+        first = self.local[self.entries[self.plan.assignments[run[0]].param].name].tensor.detach()
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            first.untyped_storage(), first.storage_offset() * first.element_size(), (nbytes,))
+        return FlatBucket(named, flat)
+
     def staged_bytes(self, rnd: dict[int, list[int]]) -> dict[int, int]:
         """Bytes of flat buffer a round needs on this rank, per destination (room for an in-place gather)."""
         need: dict[int, int] = {}
@@ -343,14 +451,29 @@ class HFExporter:
 
     def _assemble_round(self, k_round: int, remote: dict, staging: StagingBuffers) -> dict[int, Bucket]:
         rnd = self.plan.rounds[k_round]
-        need = self.staged_bytes(rnd)
+        ids = rnd.get(self.rank, [])
+        runs: dict[int, list[list[int]]] = {}
+        if self._lies:
+            staged_ids = []
+            for d in sorted({self.plan.assignments[k].dest for k in ids}):
+                keep, rest = self._runs([k for k in ids if self.plan.assignments[k].dest == d])
+                runs[d] = keep
+                staged_ids += rest
+            ids = [k for k in ids if k in set(staged_ids)]
+        need = self.staged_bytes({self.rank: ids})
         offsets: dict[int, int] = {}
         mine: dict[int, Bucket] = {}
-        for k in rnd.get(self.rank, []):
+        for k in ids:
             d = self.plan.assignments[k].dest
             named, offsets[d] = self._assemble_into(k, remote, staging.get(("dest", d), need[d]), offsets.get(d, 0))
             mine.setdefault(d, []).extend(named)
-        return {d: FlatBucket(items, staging.get(("dest", d), need[d])[:offsets[d]]) for d, items in mine.items()}
+        out: dict[int, Bucket] = {d: FlatBucket(items, staging.get(("dest", d), need[d])[:offsets[d]])
+                                  for d, items in mine.items()}
+        for d, keep in runs.items():
+            if keep:
+                parts = [self._run_bucket(run) for run in keep] + ([out[d]] if d in out else [])
+                out[d] = PartedBucket(parts)
+        return out
 
     def __iter__(self) -> Iterator[Bucket]:
         for mine in self.rounds():
