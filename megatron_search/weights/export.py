@@ -459,7 +459,8 @@ class HFExporter:
                 keep, rest = self._runs([k for k in ids if self.plan.assignments[k].dest == d])
                 runs[d] = keep
                 staged_ids += rest
-            ids = [k for k in ids if k in set(staged_ids)]
+            staged = set(staged_ids)
+            ids = [k for k in ids if k in staged]
         need = self.staged_bytes({self.rank: ids})
         offsets: dict[int, int] = {}
         mine: dict[int, Bucket] = {}
