@@ -211,7 +211,8 @@ class WeightSync:
         """Every round's buckets, pipelined: the engines are kept busy while the senders prepare.
 
         Buckets are assembled straight into this rank's staging buffer (HFExporter: FlatBucket, the bytes of
-        SGLang's flattened bucket), and each round's shard moves travel on a process group of their own
+        SGLang's flattened bucket; in broadcast mode, runs of parameters lying back to back in DDP's buffer are
+        sent from there instead: PartedBucket), and each round's shard moves travel on a process group of their own
         while the previous round is delivered (StagedRounds). A rank prepares its next round as soon as its
         own turn in this round is over, while the senders after it deliver, so the engine is not left idle
         while a sender gathers and copies; a rank with nothing to send in a round prepares at its start."""
