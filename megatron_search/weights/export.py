@@ -164,9 +164,8 @@ class HFExporter:
         # bytes one pass over the rounds sends from where the parameters lie (the runs are fixed by the plan)
         self.in_place_bytes_per_push = sum(
             self.entries[self.plan.assignments[k].param].hf_bytes(self.out_dtype)
-            for rnd in self.plan.rounds for d in {self.plan.assignments[k].dest for k in rnd.get(self.rank, [])}
-            for run in self._runs([k for k in rnd.get(self.rank, []) if self.plan.assignments[k].dest == d])[0]
-            for k in run) if self._lies else 0
+            for rnd in self.plan.rounds for runs in self._split_round(rnd.get(self.rank, []))[0].values()
+            for run in runs for k in run)
 
     # ---- planning (identical on every rank) ---------------------------------------------------
     def _plan_entries(self) -> list[PlanEntry]:
@@ -408,6 +407,19 @@ class HFExporter:
         kept = {k for run in keep for k in run}
         return keep, [k for k in ids if k not in kept]
 
+    def _split_round(self, ids: list[int]) -> tuple[dict[int, list[list[int]]], list[int]]:
+        """This rank's assignments of a round: ({destination: its in-place runs}, the ids to stage, in order)."""
+        if not self._lies:
+            return {}, ids
+        runs: dict[int, list[list[int]]] = {}
+        staged: set[int] = set()
+        for d in sorted({self.plan.assignments[k].dest for k in ids}):
+            keep, rest = self._runs([k for k in ids if self.plan.assignments[k].dest == d])
+            if keep:
+                runs[d] = keep
+            staged.update(rest)
+        return runs, [k for k in ids if k in staged]
+
     def _run_bucket(self, run: list[int]) -> "FlatBucket":
         """A run's HF tensors (views of the parameters) and its bytes as one flat view of their storage."""
         named = []
@@ -450,17 +462,7 @@ class HFExporter:
             yield mine
 
     def _assemble_round(self, k_round: int, remote: dict, staging: StagingBuffers) -> dict[int, Bucket]:
-        rnd = self.plan.rounds[k_round]
-        ids = rnd.get(self.rank, [])
-        runs: dict[int, list[list[int]]] = {}
-        if self._lies:
-            staged_ids = []
-            for d in sorted({self.plan.assignments[k].dest for k in ids}):
-                keep, rest = self._runs([k for k in ids if self.plan.assignments[k].dest == d])
-                runs[d] = keep
-                staged_ids += rest
-            staged = set(staged_ids)
-            ids = [k for k in ids if k in staged]
+        runs, ids = self._split_round(self.plan.rounds[k_round].get(self.rank, []))
         need = self.staged_bytes({self.rank: ids})
         offsets: dict[int, int] = {}
         mine: dict[int, Bucket] = {}
@@ -471,9 +473,7 @@ class HFExporter:
         out: dict[int, Bucket] = {d: FlatBucket(items, staging.get(("dest", d), need[d])[:offsets[d]])
                                   for d, items in mine.items()}
         for d, keep in runs.items():
-            if keep:
-                parts = [self._run_bucket(run) for run in keep] + ([out[d]] if d in out else [])
-                out[d] = PartedBucket(parts)
+            out[d] = PartedBucket([self._run_bucket(run) for run in keep] + ([out[d]] if d in out else []))
         return out
 
     def __iter__(self) -> Iterator[Bucket]:
