@@ -1,13 +1,13 @@
 # The two set-up commands of the README.
 PY ?= python3
 
-.PHONY: demo test test-unit install install-dev
+.PHONY: demo test test-unit install install-dev lock
 
 install:
-	bash scripts/install.sh
+	PYTHON=$(PY) bash scripts/install.sh
 
 install-dev:
-	bash scripts/install.sh --dev
+	PYTHON=$(PY) bash scripts/install.sh --dev
 
 demo: install
 	megatron-search demo
@@ -15,6 +15,11 @@ demo: install
 test: install-dev
 	PYTHON=$(PY) bash scripts/fetch_vllm_contract.sh
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Move requirements/lock.txt (and the SGLang contract's lock) to the newest releases setup.py allows, in a fresh
+# venv, and run `make test` there on them: review the diff and commit it with the test counts.
+lock:
+	PYTHON=$(PY) bash scripts/lock.sh
 
 # The unit tier only (tests not marked multiprocess, slurm or e2e; pytest.ini): a quick check while editing,
 # under a minute on 2 cores. It does not reinstall: run `make install-dev` once first.

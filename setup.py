@@ -1,25 +1,42 @@
-"""Install megatron-search: the library, `kernels/` as `megatron_search.kernels`, and the CLI."""
-from setuptools import find_packages, setup
+"""Install megatron-search: the library, `kernels/` as `megatron_search.kernels`, and the CLI.
 
-packages = find_packages(include=["megatron_search", "megatron_search.*"])
-packages += ["megatron_search.kernels"] + [
-    "megatron_search.kernels." + p for p in find_packages(where="kernels")
-]
+Versions: floors here, ceilings on the fast movers whose private APIs we use; what an install actually
+gets is pinned by requirements/lock.txt (scripts/install.sh installs through it; `make lock` moves it)."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithKernels(build_py):
+    """A built wheel holds the top-level kernels/ folder's modules inside megatron_search/kernels/.
+
+    kernels/ has no __init__.py (it would shadow Hugging Face's `kernels` package from the checkout's
+    root); megatron_search/kernels/__init__.py adds that folder to its path in a checkout instead."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:  # an editable install imports from the checkout itself
+            return
+        target = Path(self.build_lib, "megatron_search", "kernels")
+        for source in sorted(Path("kernels").glob("*.py")):
+            self.copy_file(str(source), str(target / source.name))
 
 setup(
     name="megatron-search",
     version="0.1.0",
     description="Megatron-Core stack that post-trains Qwen MoE policies into web-search agents (SFT + GRPO).",
     python_requires=">=3.11",
-    packages=packages,
-    package_dir={"megatron_search.kernels": "kernels"},
+    packages=find_packages(include=["megatron_search", "megatron_search.*"]),
+    cmdclass={"build_py": BuildPyWithKernels},
     include_package_data=True,
     package_data={"megatron_search": ["**/*.txt", "**/*.md", "**/*.json", "**/*.yaml"]},
     install_requires=[
-        # Floors, not ceilings: megatron-core 0.16.1 is the newest for Python 3.11; newer must work.
+        # Floors, and ceilings at the next minor (0.x) or major release on the packages whose private
+        # APIs we use: megatron-core 0.16.1 is the newest for Python 3.11 (0.17 needs 3.12, untested).
         "torch>=2.4",
-        "megatron-core>=0.16.1",
-        "transformers>=5.2",  # qwen3_5_moe arrived in 5.2.0
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.2,<6",  # qwen3_5_moe arrived in 5.2.0
         "safetensors>=0.4",
         "pydantic>=2.6",
         "PyYAML>=6.0",
@@ -36,7 +53,7 @@ setup(
         "pyarrow>=15",  # parquet / Arrow datasets; datasets 4.0 needs >= 15
         # every dataset path (files, Hub-layout and save_to_disk folders) is read through it, offline
         # (data/hf_datasets.py); 4.0.0 and 5.2.0 tested. It needs no torch (only its [torch] extra would).
-        "datasets>=4.0",
+        "datasets>=4.0,<6",
         "psutil>=5.9",  # megatron.core.dist_checkpointing's file writer needs it (weights/checkpoint.py)
     ],
     extras_require={

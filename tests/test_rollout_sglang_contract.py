@@ -1,5 +1,6 @@
-"""Contract tests against sglang's own code (sglang 0.5.23's pure-Python modules, installed by
-`scripts/install.sh --dev` without its GPU dependencies): every request our client sends is one
+"""Contract tests against sglang's own code (sglang 0.5.23's pure-Python modules, which `scripts/install.sh --dev`
+puts in .cache/sglang-contract-0.5.23 without its GPU dependencies, never into the environment; only this
+test's child process has that folder on its path, ahead of any SGLang the user installed): every request our client sends is one
 SGLang's server accepts (its request types, every key a known field, generate normalised and its
 sampling params verified, each TP rank's tensor payload opened by SGLang's serializer), and our
 weight-update group meets the one SGLang's init_custom_process_group creates. The local server's API-key
@@ -21,6 +22,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).parent
+CONTRACT = Path(os.environ.get("MS_SGLANG_CONTRACT_PATH", HERE.parent / ".cache" / "sglang-contract-0.5.23"))
 ENDPOINTS = {
     "/generate", "/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
     "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
@@ -30,7 +32,9 @@ ENDPOINTS = {
 
 
 def test_client_requests_and_rendezvous_are_sglangs_own():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    assert (CONTRACT / "sglang").is_dir(), f"{CONTRACT} is missing: run scripts/fetch_sglang_contract.sh"
+    path = os.pathsep.join(p for p in (str(CONTRACT), str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(HERE / "_sglang_contract_check.py")], cwd=HERE.parent, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

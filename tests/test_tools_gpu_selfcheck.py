@@ -55,16 +55,16 @@ def test_cpu_dry_run_passes_every_check(tmp_path):
 
 
 def test_finds_kernels_package_without_install():
-    # -S: no site-packages .pth files (no editable-install finder); only the repo and torch's folder on the path
-    path = os.pathsep.join([str(REPO), str(Path(torch.__file__).resolve().parents[1])])
+    # -S: no site-packages .pth files (no editable-install finder); only the tools folder and torch's on the path
+    path = str(Path(torch.__file__).resolve().parents[1])
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import gpu_selfcheck as g\n"
             "try:\n    import megatron_search.kernels\n    print('before: found')\n"
             "except ImportError:\n    print('before: missing')\n"
-            "g.install_kernels_alias(); import megatron_search.kernels as k\n"
-            "from megatron_search.kernels.group_advantage import fused_group_advantages\nprint(k.__file__)")
+            "g.use_checkout(); import megatron_search.kernels as k\n"
+            "from megatron_search.kernels import group_advantage\nprint(k.__file__); print(group_advantage.__file__)")
     proc = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "tools")], env=dict(os.environ, PYTHONPATH=path),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=REPO / "tools")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0] == "before: missing", proc.stdout  # the alias, not an installed copy, found it
-    assert lines[-1] == str(REPO / "kernels" / "__init__.py")
+    assert lines[0] == "before: missing", proc.stdout  # the checkout, not an installed copy, was found
+    assert lines[-2:] == [str(REPO / "megatron_search" / "kernels" / "__init__.py"), str(REPO / "kernels" / "group_advantage.py")]

@@ -28,7 +28,7 @@ and the train check (8 minutes at most: --train-timeout 480 by default):
 
 `--checks kernels,gdn` (etc.) runs a subset, `--train` adds the train check to the others (it is not
 in the default set: it takes minutes, under its own --train-timeout); the repo need not be installed
-(see install_kernels_alias).
+(see use_checkout).
 
 Checks (each runs on its own; a failure prints its traceback and the next check still runs):
   kernels  our Triton kernels compiled for the GPU (token_logprobs with IS ratio + entropy, fresh and
@@ -62,8 +62,7 @@ Exit status: 0 when no check failed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -74,37 +73,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS_PKG = "megatron_search.kernels"
 CHECKS = ("kernels", "gdn", "pytest", "models")  # the default set; models last of these: it starts NCCL
 ALL_CHECKS = CHECKS + ("train",)  # train: minutes, its own timeout (--train adds it, --checks train runs it alone)
 
 
-class _KernelsAlias(importlib.abc.MetaPathFinder):
-    """Finds `megatron_search.kernels` in the top-level kernels/ folder (setup.py's package_dir) when
-    the repo is on sys.path but not installed; appended last, so an installed package wins."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != KERNELS_PKG:
-            return None  # submodules are found through the package's __path__
-        folder = REPO / "kernels"
-        return importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-
-
-def install_kernels_alias() -> None:
-    if not any(isinstance(f, _KernelsAlias) for f in sys.meta_path):
-        sys.meta_path.append(_KernelsAlias())
+def use_checkout() -> None:
+    """Lets an uninstalled checkout import: its root goes on sys.path (appended, so an installed copy wins),
+    and megatron_search/kernels/__init__.py finds the top-level kernels/ folder from there."""
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))
 
 
 def child_env(folder: Path, hide_fla: bool = False) -> dict:
-    """Environment for child processes (and theirs) of an uninstalled checkout: a sitecustomize.py in
-    `folder` installs the kernels alias; with `hide_fla`, `import fla` fails and find_spec("fla") is
-    None in them (sys.modules["fla"] = None), so Megatron and transformers take their torch GDN."""
-    Path(folder, "sitecustomize.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(REPO / 'tools')!r})\n"
-        "import gpu_selfcheck\ngpu_selfcheck.install_kernels_alias()\n"
-        + ("sys.modules['fla'] = None\n" if hide_fla else ""))
+    """Environment for child processes (and theirs) of an uninstalled checkout: the checkout on their path;
+    with `hide_fla`, a sitecustomize.py in `folder` makes `import fla` fail and find_spec("fla") None in
+    them (sys.modules["fla"] = None), so Megatron and transformers take their torch GDN."""
+    if hide_fla:
+        Path(folder, "sitecustomize.py").write_text("import sys\nsys.modules['fla'] = None\n")
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(REPO), os.environ.get("PYTHONPATH", "")]))
 
 
@@ -586,7 +571,7 @@ def main(argv=None) -> int:
     if args.cpu_dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. before they are imported
         os.environ.setdefault("OMP_NUM_THREADS", "2")
-    install_kernels_alias()
+    use_checkout()
     import torch
 
     if args.cpu_dry_run:

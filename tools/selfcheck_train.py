@@ -487,7 +487,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "tools"))
     import gpu_selfcheck
 
-    gpu_selfcheck.install_kernels_alias()
+    gpu_selfcheck.use_checkout()
     work = Path(args.work)
     inputs = prepare(work) if args.prepare else json.loads((work / "inputs.json").read_text())
     result = run_side(work, args.side, inputs, [a for a in args.archs.split(",") if a])
