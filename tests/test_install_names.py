@@ -72,16 +72,19 @@ def test_no_root_name_shadows_an_installed_package(tmp_path):
                 "would shadow any installed package of that name (remove its __init__.py or rename it)")
 
 
-def test_kernels_from_the_root_is_hugging_faces():
+def test_kernels_from_the_root_is_hugging_faces(tmp_path):
     if importlib.util.find_spec("kernels") is None:
         pytest.skip("Hugging Face's kernels is not installed (transformers < 5.25 does not need it)")
-    code = "import kernels, sys; print(kernels.__file__)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    loaded = Path(proc.stdout.strip()).resolve()
-    assert REPO not in loaded.parents, f"`import kernels` in the checkout's root loaded {loaded}"
+    code = "import kernels; print(kernels.__file__)"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    loaded = {}
+    for where in (REPO, tmp_path):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=where, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded[where] = Path(proc.stdout.strip()).resolve()
+    assert (REPO / "kernels") not in loaded[REPO].parents, f"`import kernels` in the checkout's root loaded {loaded[REPO]}"
+    assert loaded[REPO] == loaded[tmp_path]  # the installed package, wherever Python starts
 
 
 def test_transformers_hub_kernels_imports_from_the_root():
