@@ -62,8 +62,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.9", "flash-linear-attention>=0.3", "triton>=3.7.1"],
         # Tests also need qwen-agent for its Qwen BPE ranks file, installed without its (unused)
         # runtime dependencies by scripts/install.sh --dev: pip install --no-deps "qwen-agent>=0.0.30";
-        # and sglang 0.5.23's pure-Python modules for the contract tests (--no-deps, plus
-        # scripts/sglang-contract-requirements.txt).
+        # sglang 0.5.23's pure-Python modules for the contract tests go into .cache/, not the environment
+        # (scripts/fetch_sglang_contract.sh, pinned by requirements/sglang-contract.lock.txt).
         "dev": ["pytest>=8", "hypothesis>=6.100", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["megatron-search=megatron_search.cli:main"]},
