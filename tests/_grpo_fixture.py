@@ -29,7 +29,8 @@ def build(root: Path) -> dict[str, str]:
     tok = BPETokenizer.train([d["text"] for d in docs] + [fmt.render(e.messages, e.tools) for e in examples],
                              vocab_size=1024)
     tok.save(root / "tokenizer.json")
-    common = [f"model.hf_config={TINY}", f"model.tokenizer={root / 'tokenizer.json'}", "search.max_results=2",
+    common = [f"model.hf_config={TINY}", "model.init=random", f"model.tokenizer={root / 'tokenizer.json'}",
+              "search.max_results=2",
               "search.snippet_chars=120", f"search.index_dir={root / 'index'}"]
     rm_out = root / "rm"
     subprocess.run([sys.executable, "-m", "megatron_search.cli", "rm", "train", *common, f"run.output_dir={rm_out}",

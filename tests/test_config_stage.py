@@ -5,20 +5,21 @@ import pytest
 from megatron_search.config import ConfigError, load_config, stage_problems
 from megatron_search.plan import make_plan
 
-GRPO_INPUTS = ["rm.load=RM", "data.qa_path=QA.jsonl", "data.mix={qa: 1.0}"]
+RANDOM = "model.init=random"  # the default config names no pretrained weights (tests/test_real_model_workflow.py)
+GRPO_INPUTS = ["rm.load=RM", "data.qa_path=QA.jsonl", "data.mix={qa: 1.0}", RANDOM]
 
 
 def stage_fields(stage, *overrides):
     """The field each problem names (the text before the first colon), loading the config for `stage`."""
     with pytest.raises(ConfigError) as ei:
-        load_config(None, list(overrides), stage=stage)
+        load_config(None, [RANDOM, *overrides], stage=stage)
     return [p.split(":")[0] for p in ei.value.problems]
 
 
 def test_a_complete_grpo_config_passes_and_the_stage_is_opt_in():
     load_config(None, GRPO_INPUTS, stage="grpo")
     load_config(None, ["rollout.temperature=0"])  # no stage: eval or data jobs may decode greedily
-    load_config(None, ["rollout.temperature=0"], stage="sft")
+    load_config(None, ["rollout.temperature=0", RANDOM], stage="sft")
 
 
 def test_grpo_checks_each_name_their_field():
@@ -31,6 +32,15 @@ def test_grpo_checks_each_name_their_field():
     assert stage_fields("grpo", *GRPO_INPUTS[:2], "data.mix={qa: 0.0}") == ["data.mix"]
 
 
+def test_training_stages_need_initial_weights():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, GRPO_INPUTS[:3], stage="grpo")
+    assert [p.split(":")[0] for p in ei.value.problems] == ["model.path"]
+    with pytest.raises(ConfigError, match=r"checkpoint.load: NOWHERE does not exist"):
+        load_config(None, ["checkpoint.load=NOWHERE"], stage="sft")
+    load_config(None, [], stage="rm")  # the reward model starts from rm.init_from (or a random init)
+
+
 def test_context_parallelism_is_refused_for_every_training_stage():
     for stage in ("sft", "rm", "grpo"):
         assert "parallel.cp" in stage_fields(stage, *GRPO_INPUTS, "parallel.cp=2")
@@ -40,13 +50,13 @@ def test_context_parallelism_is_refused_for_every_training_stage():
 def test_batch_sizes_are_checked_against_the_data_parallel_size():
     # world 4, TP 1: DP 4; 6 sequences do not split over 4 ranks, 8 do (2 micro-batches of 1 each)
     assert stage_fields("sft", "parallel.world_size=4", "sft.global_batch_size=6") == ["sft.global_batch_size"]
-    load_config(None, ["parallel.world_size=4", "sft.global_batch_size=8"], stage="sft")
+    load_config(None, ["parallel.world_size=4", "sft.global_batch_size=8", RANDOM], stage="sft")
     # DP 2 x micro-batch 3 = 6: 12 pairs split, 8 do not
     fields = stage_fields("rm", "parallel.world_size=2", "rm.global_batch_pairs=8", "rm.micro_batch_pairs=3")
     assert fields == ["rm.global_batch_pairs"]
     load_config(None, ["parallel.world_size=2", "rm.global_batch_pairs=12", "rm.micro_batch_pairs=3"], stage="rm")
     # unknown world size: nothing to check yet; the job checks at start-up with the real one
-    cfg = load_config(None, ["sft.global_batch_size=6"], stage="sft")
+    cfg = load_config(None, ["sft.global_batch_size=6", RANDOM], stage="sft")
     assert stage_problems(cfg, "sft", 4) == ["sft.global_batch_size: 6 is not a multiple of data-parallel size 4 x "
                                              "sft.micro_batch_size=1 (world size 4)"]
     assert stage_problems(cfg, "sft", 3) == []  # DP 3 divides 6

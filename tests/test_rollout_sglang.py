@@ -109,7 +109,9 @@ def test_client_against_sglang_shaped_answers():
     assert res.output_ids == [7, 8, 151645] and res.output_logprobs == [-0.5, -1.5, -0.25]
     assert (res.finish_reason.type, res.finish_reason.matched, res.weight_version) == ("stop", 151645, "12")
     assert res.routed_experts_NLK.shape == (4 + 3 - 1 - 2, 2, 2)
-    assert seen[1] == {"model_path": "/ckpt", "abort_all_requests": False, "weight_version": "13"}
+    # load_format named: SGLang's None is the server's own (dummy, for an engine started without weights)
+    assert seen[1] == {"model_path": "/ckpt", "load_format": "safetensors", "abort_all_requests": False,
+                       "weight_version": "13"}
 
 
 @pytest.mark.multiprocess

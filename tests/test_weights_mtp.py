@@ -198,7 +198,7 @@ def _reference(model, mtp, text, full_attention, ids):
 def _cfg(ckpt: str, tp: int, pp: int, ep: int, mtp: bool = True):
     from megatron_search.config.loader import load_config
 
-    ov = [f"model.hf_config={ckpt}", f"model.mtp={str(mtp).lower()}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+    ov = [f"model.hf_config={ckpt}", "model.init=random", f"model.mtp={str(mtp).lower()}", f"parallel.tp={tp}", f"parallel.pp={pp}",
           f"parallel.ep={ep}", f"parallel.etp={tp if ep == 1 else 1}", "parallel.world_size=2", "optim.lr=1e-2"]
     if tp > 1:
         ov.append("parallel.sequence_parallel=true")

@@ -124,7 +124,7 @@ def _engine_args(arch: str, inputs: dict) -> list[str]:
 
 
 def _common(arch: str, inputs: dict) -> list[str]:
-    return [*_engine_args(arch, inputs), "parallel.backend=auto", f"optim.adam_eps={ADAM_EPS}",
+    return [*_engine_args(arch, inputs), "model.init=random", "parallel.backend=auto", f"optim.adam_eps={ADAM_EPS}",
             "logging.progress_bars=false", *inputs["search"]]
 
 

@@ -8,24 +8,42 @@ from typing import Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from .base import Section
-from .hf import Architecture, architecture_from_hf, load_hf_config
+from .hf import Architecture, HFConfigError, architecture_from_hf, load_hf_config
+
+
+CHAT_STYLE_OF = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}  # the tool-call syntax each model was trained on
+TINY_DEFAULT = "configs/models/tiny_qwen3_moe"  # the embedded default's architecture (no model.path)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_repo_path(path: str | Path) -> Path:
+    """An absolute or existing path as it is; else the same path under the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 
 class ModelConfig(Section):
-    """Which model to build: a Hugging Face config.json plus Megatron build choices."""
+    """Which model: one Hugging Face directory (model.path) supplies the architecture, tokenizer, chat format and
+    initial weights; hf_config, tokenizer and chat_style override what it supplies. Plus Megatron build choices."""
 
-    hf_config: str = Field(
-        "configs/models/tiny_qwen3_moe",
-        description="config.json (or a directory holding one) of the HF model; relative paths "
-        "resolve against the repository root, then the current directory.",
-    )
-    checkpoint: Optional[str] = Field(None, description="HF safetensors directory to initialise from")
-    tokenizer: str = Field(
-        "qwen",
-        description="'qwen' = the real Qwen2/3 BPE (shipped in qwen-agent); else a tokenizer.json path "
-        "(the tiny demo trains its own with `megatron-search train-tokenizer`)",
-    )
-    chat_style: Literal["qwen3", "qwen3_5"] = Field("qwen3", description="tool-call syntax of the chat format")
+    path: Optional[str] = Field(
+        None, description="the model: an HF directory (config.json, tokenizer.json, chat template, safetensors) "
+        "giving the architecture, tokenizer, chat format and initial weights of every stage and the engines; or a "
+        "Megatron checkpoint of ours (a run's, or `convert hf-to-mcore` output) as initial weights")
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained", description="pretrained: training starts from checkpoint.load, else from model.path's weights "
+        "(a training stage without either is refused); random: model.path's weights are not loaded and, without "
+        "checkpoint.load, training starts from a random init (the tiny demo, the tests)")
+    hf_config: Optional[str] = Field(
+        None, description="overrides model.path's config.json for the architecture: config.json or a directory "
+        "holding one; relative paths resolve against the repository root, then the current directory. Neither set: "
+        f"{TINY_DEFAULT} (the embedded default)")
+    tokenizer: Optional[str] = Field(
+        None, description="overrides model.path's tokenizer.json: a tokenizer.json path (or a directory holding one), "
+        "or 'qwen' = the real Qwen2/3 BPE shipped in qwen-agent. Unset and no model.path: 'qwen'")
+    chat_style: Optional[Literal["qwen3", "qwen3_5"]] = Field(
+        None, description="tool-call syntax of the chat format (qwen3: JSON, qwen3_5: XML); unset: the model_type's "
+        "own (qwen3_moe -> qwen3, qwen3_5_moe -> qwen3_5); another than the model's is an error")
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
@@ -60,6 +78,45 @@ class ModelConfig(Section):
         "auto", description="auto: alltoall on GPU, allgather on CPU (alltoall needs CUDA streams)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_model_path(cls, data):
+        """Fills hf_config, tokenizer and chat_style from model.path (and the model_type) where unset, so every
+        reader and the printed config see the resolved values."""
+        if not isinstance(data, dict):
+            return data
+        if "checkpoint" in data:
+            raise ValueError("model.checkpoint is gone: model.path names the HF directory (or Megatron checkpoint) "
+                             "of the model, its initial weights included")
+        data = dict(data)
+        path = data.get("path")
+        folder = resolve_repo_path(path) if path else None
+        if folder is not None and not folder.exists():
+            raise ValueError(f"model.path: {path} does not exist")
+        hf_side = _hf_side(folder) if folder is not None else None
+        if folder is not None and hf_side is None and not (data.get("hf_config") and data.get("tokenizer")):
+            raise ValueError(f"model.path: {path} holds no config.json (nor hf_extra/config.json, as `convert "
+                             "hf-to-mcore` writes): set model.hf_config and model.tokenizer to the model's HF files")
+        if not data.get("hf_config"):
+            data["hf_config"] = str(hf_side) if hf_side is not None else TINY_DEFAULT
+        elif hf_side is not None:
+            _same_architecture(resolve_repo_path(data["hf_config"]), hf_side)
+        if not data.get("tokenizer"):
+            if hf_side is not None and not (hf_side / "tokenizer.json").is_file():
+                raise ValueError(f"model.path: {hf_side} holds no tokenizer.json; set model.tokenizer to the "
+                                 "model's tokenizer.json")
+            data["tokenizer"] = str(hf_side / "tokenizer.json") if hf_side is not None else "qwen"
+        model_type = _model_type(resolve_repo_path(data["hf_config"]))
+        own_style = CHAT_STYLE_OF.get(model_type)
+        style = data.get("chat_style")
+        if style is None:
+            data["chat_style"] = own_style or "qwen3"
+        elif own_style is not None and style != own_style:
+            raise ValueError(f"model.chat_style: {style!r} is not the chat format of {data['hf_config']} (model_type "
+                             f"{model_type!r} calls tools in {own_style!r}); drop model.chat_style or set it to "
+                             f"{own_style!r}")
+        return data
+
     @model_validator(mode="after")
     def _recompute_modules_need_selective(self):
         if self.recompute_modules is not None and self.recompute != "selective":
@@ -68,16 +125,72 @@ class ModelConfig(Section):
         return self
 
     def resolved_hf_config(self) -> Path:
-        p = Path(self.hf_config)
-        if p.is_absolute() or p.exists():
-            return p
-        repo_root = Path(__file__).resolve().parents[2]
-        return repo_root / p
+        return resolve_repo_path(self.hf_config)
+
+    def served_model(self) -> tuple[Path, bool]:
+        """(directory, holds weights) an engine starts from when rollout.*.model_path is unset: model.path when it
+        is an HF directory with weights; else the HF files it keeps (a convert output's hf_extra/), else
+        hf_config's directory, both started with dummy weights (the policy's arrive by weight sync)."""
+        path = self.resolved_path()
+        if path is not None and weights_format(path) == "hf" and (path / "config.json").is_file():
+            return path, True
+        side = _hf_side(path) if path is not None else None
+        if side is not None:
+            return side, False
+        hf = self.resolved_hf_config()
+        return (hf if hf.is_dir() else hf.parent), False
+
+    def resolved_path(self) -> Optional[Path]:
+        """model.path resolved like hf_config (None when unset)."""
+        return resolve_repo_path(self.path) if self.path else None
 
     @cached_property
     def architecture(self) -> Architecture:
         path = self.resolved_hf_config()
         return architecture_from_hf(load_hf_config(path), where=str(path))
+
+
+def weights_format(folder: Path) -> Optional[str]:
+    """What initial weights a folder holds, told apart by its files: 'run' (a training run's checkpoint, or a
+    checkpoint root holding them), 'mcore' (a `convert hf-to-mcore` output), 'hf' (safetensors), else None."""
+    if (folder / "trainer.json").is_file() or (folder / "latest").is_file() or any(folder.glob("*/trainer.json")):
+        return "run"
+    if (folder / "metadata.json").is_file():
+        return "mcore"
+    if any(folder.glob("*.safetensors")):
+        return "hf"
+    return None
+
+
+def _hf_side(folder: Path) -> Optional[Path]:
+    """Where a model.path keeps its HF files: the folder itself, or the hf_extra/ of a `convert hf-to-mcore`
+    output; None for a folder with neither (a training run's checkpoint)."""
+    for candidate in (folder, folder / "hf_extra"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
+
+
+def _same_architecture(hf_config: Path, hf_side: Path) -> None:
+    """model.hf_config (the planner's architecture in the shipped configs) must describe model.path's model."""
+    try:
+        want = architecture_from_hf(load_hf_config(hf_config), where=str(hf_config))
+        have = architecture_from_hf(load_hf_config(hf_side), where=str(hf_side))
+    except HFConfigError:
+        return  # reported where the architecture is read
+    diffs = [f"{k} {getattr(want, k)} vs {getattr(have, k)}" for k in want.__dataclass_fields__
+             if getattr(want, k) != getattr(have, k)]
+    if diffs:
+        raise ValueError(f"model.hf_config: {hf_config} does not describe model.path's model {hf_side} ("
+                         + "; ".join(diffs) + "); drop model.hf_config or point it at the same model")
+
+
+def _model_type(hf_config: Path) -> Optional[str]:
+    """model_type of a config.json (or its directory), None when it cannot be read (reported where it is used)."""
+    try:
+        return load_hf_config(hf_config).get("model_type")
+    except HFConfigError:
+        return None
 
 
 class ParallelConfig(Section):

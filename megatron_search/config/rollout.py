@@ -32,7 +32,7 @@ class SearchConfig(Section):
 class SGLangConfig(Section):
     """`python -m sglang.launch_server` flags (rollout/sglang/client.py builds the command line)."""
 
-    model_path: Optional[str] = Field(None, description="HF directory served; None = model.checkpoint")
+    model_path: Optional[str] = Field(None, description="HF directory served; None = model.path (or, without its weights, its HF files / model.hf_config with dummy weights)")
     tp: PositiveInt = 1
     ep: PositiveInt = 1
     dp: PositiveInt = 1
@@ -61,7 +61,7 @@ class VLLMConfig(Section):
     server: Literal["vllm", "local"] = Field(
         "vllm", description="vllm: `vllm serve` processes; local: the local engine (rollout.local) serving vLLM "
         "0.33.0's API subset instead of SGLang's (CPU runs and tests of the vLLM client)")
-    model_path: Optional[str] = Field(None, description="HF directory served; None = model.checkpoint")
+    model_path: Optional[str] = Field(None, description="HF directory served; None = model.path (or, without its weights, its HF files / model.hf_config with dummy weights)")
     tp: PositiveInt = Field(1, description="--tensor-parallel-size (vLLM default 1)")
     dp: PositiveInt = Field(1, description="--data-parallel-size (vLLM default 1)")
     enable_expert_parallel: bool = Field(False, description="--enable-expert-parallel: experts over TP x DP "
@@ -88,7 +88,7 @@ class LocalEngineConfig(Section):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                         description="where the engine's model runs: cpu, cuda or cuda:N (one device per engine)")
 
-    model_path: Optional[str] = Field(None, description="HF directory (config.json [+ safetensors]); None = model.hf_config")
+    model_path: Optional[str] = Field(None, description="HF directory (config.json [+ safetensors]); None = model.path (or model.hf_config, random weights)")
     dtype: Optional[Literal["float32", "bfloat16"]] = Field(None, description="None = model.params_dtype")
     seed: int = Field(0, description="random init seed (config-only models) and base of per-request sampling seeds")
     max_running_requests: PositiveInt = Field(64, description="requests decoded together in one batched forward")

@@ -16,7 +16,7 @@ from .data import DataConfig
 from .demo import DemoConfig
 from .eval import EvalConfig
 from .hf import HFConfigError
-from .model import ModelConfig, ParallelConfig
+from .model import ModelConfig, ParallelConfig, resolve_repo_path, weights_format
 from .reward import RewardConfig
 from .rl import GRPOConfig
 from .rm import RMConfig
@@ -230,7 +230,28 @@ def stage_problems(cfg: Config, stage: Optional[str], world_size: int | None, in
                        f"x rm.micro_batch_pairs={rm.micro_batch_pairs} (world size {world_size})")
     if stage == "grpo":
         out += _grpo_problems(cfg, inputs)
+    if stage in ("sft", "grpo") and inputs:
+        out += initial_weights_problems(cfg, stage)
     return out
+
+
+def initial_weights_problems(cfg: Config, stage: str) -> list[str]:
+    """A training stage starts from pretrained weights (checkpoint.load, else model.path) unless model.init=random."""
+    if cfg.model.init == "random":
+        return []
+    if cfg.checkpoint.load:
+        source, field = resolve_repo_path(cfg.checkpoint.load), "checkpoint.load"
+        if not source.exists():
+            return [f"checkpoint.load: {cfg.checkpoint.load} does not exist"]
+    elif cfg.model.path:
+        source, field = cfg.model.resolved_path(), "model.path"
+    else:
+        return [f"model.path: {stage} starts from pretrained weights and none are named; set model.path=<the "
+                "model's HF directory> (or checkpoint.load=<a checkpoint>, or model.init=random for a random init)"]
+    if weights_format(source) is None:
+        return [f"{field}: {source} holds no weights (no *.safetensors, no Megatron checkpoint: metadata.json, "
+                "trainer.json or latest)"]
+    return []
 
 
 def training_problems(cfg: Config) -> list[str]:

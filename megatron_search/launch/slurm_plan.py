@@ -70,7 +70,7 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
-    if cfg.model.checkpoint is None and not cfg.rollout.sglang.model_path:
+    if not cfg.rollout.sglang.model_path and not cfg.model.served_model()[1]:
         argv += ["--load-format", "dummy"]
     return argv
 
@@ -88,7 +88,7 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
                                             "enable_sleep_mode": colocated and cfg.rollout.vllm.enable_sleep_mode})
     inner = vllm_command(v, model_path, port, routed_experts=cfg.grpo.wants_routed_experts(),
                          seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob)
-    if cfg.model.checkpoint is None and not cfg.rollout.vllm.model_path:
+    if not cfg.rollout.vllm.model_path and not cfg.model.served_model()[1]:
         inner += ["--load-format", "dummy"]
     argv = serve_argv(inner[1:], cfg.rollout.api_key_env, gpus)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
@@ -133,7 +133,7 @@ def make_launch_plan(
                 f"rollout.sglang: an engine of {gpus_per_engine} GPUs must fill whole nodes of {per_node} GPUs "
                 f"or divide one"
             )
-        model = cfg.rollout.sglang.model_path or cfg.model.checkpoint or cfg.model.hf_config
+        model = cfg.rollout.sglang.model_path or str(cfg.model.served_model()[0])
         port = cfg.rollout.sglang.base_port
         if gpus_per_engine >= per_node:
             span = gpus_per_engine // per_node
@@ -173,7 +173,7 @@ def _plan_vllm(plan: LaunchPlan, cfg: Config, serve_nodes: list[str]) -> None:
     if per_node % gpus:
         raise LaunchError(f"rollout.vllm: an engine of TP x DP = {gpus} GPUs must divide a node of {per_node} GPUs "
                           "(multi-node vLLM engines need its Ray or --nnodes setup, which this plan does not make)")
-    model = v.model_path or cfg.model.checkpoint or cfg.model.hf_config
+    model = v.model_path or str(cfg.model.served_model()[0])
     per = per_node // gpus
     for n, node in enumerate(serve_nodes):
         for j in range(per):

@@ -31,7 +31,6 @@ from megatron_search.rollout.local.engine import LocalEngine
 from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.trainer.core import Trainer
-from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line
 from megatron_search.trainer.signals import StopRequest
 
@@ -41,6 +40,7 @@ from .grpo_data import build_eval_items, build_mix_sampler
 from .grpo_driver import Collected, RolloutDriver
 from .grpo_metrics import rollout_metrics
 from .grpo_preference import build_preference
+from .initial_weights import load_initial_weights
 from .grpo_sync import build_weight_sync, save_hf_weights
 from .policy_step import policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
@@ -82,8 +82,8 @@ class GRPORun:
         extra = self.trainer.resume()
         # The reward model runs in the training layout: every rank holds its shard and scores together.
         self.preference = build_preference(cfg, ctx.groups)
-        if not extra and cfg.checkpoint.load and not cfg.checkpoint.resume:
-            load_model_weights(self.trainer, cfg.checkpoint.load)  # e.g. the SFT checkpoint
+        if not extra and not cfg.checkpoint.resume:  # resume() loaded the run's own or checkpoint.load
+            load_initial_weights(self.trainer, cfg, ctx.groups)  # the SFT checkpoint, or the pretrained model
         if self.is_driver:
             self._build_driver(extra)
         self.resumed = bool(extra)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.vllm.client import VLLMClient
+from megatron_search.weights.checkpoint import copy_side_files
 from megatron_search.weights.delivery import WeightSync
 from megatron_search.weights.export import export_hf_weights
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
@@ -82,7 +83,8 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
 
 def save_hf_weights(model_chunks, cfg, groups, out_dir: Path, bucket_bytes: int) -> None:
     """Collective: stream the policy bucket by bucket into an HF checkpoint directory written by rank 0
-    (sharded safetensors + config.json), never holding more than a bucket and one shard in memory."""
+    (sharded safetensors + the model's side files: config, tokenizer, chat template, processor configs),
+    never holding more than a bucket and one shard in memory."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
@@ -94,7 +96,9 @@ def save_hf_weights(model_chunks, cfg, groups, out_dir: Path, bucket_bytes: int)
             writer.add(name, t)
     if rank0:
         writer.close()
+        copy_side_files(cfg.model.served_model()[0], tmp)  # config, tokenizer, chat template, processor files
         hf_config = cfg.model.resolved_hf_config()
-        shutil.copyfile(hf_config / "config.json" if hf_config.is_dir() else hf_config, tmp / "config.json")
+        if not (tmp / "config.json").exists():
+            shutil.copyfile(hf_config / "config.json" if hf_config.is_dir() else hf_config, tmp / "config.json")
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)

@@ -23,10 +23,10 @@ from megatron_search.chat.tokenizer import ChatEncoder
 from megatron_search.data.jsonl import append_jsonl, read_jsonl
 from megatron_search.distributed import collectives as coll, init_distributed
 from megatron_search.trainer.core import Trainer
-from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.trainer.metrics import MetricsWriter, format_line
 from megatron_search.trainer.signals import StopRequest
 
+from .initial_weights import load_initial_weights
 from .sft_data import SFTBatcher, chat_format_for, load_sft_datasets, tokenizer_for
 from .skill_check import SkillCheck
 
@@ -100,8 +100,8 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         extra = trainer.resume()
         if extra:
             batcher.load_state_dict(extra["data"])
-        elif cfg.checkpoint.load and not cfg.checkpoint.resume:
-            load_model_weights(trainer, cfg.checkpoint.load)  # e.g. a previous SFT stage (curriculum)
+        elif not cfg.checkpoint.resume:  # resume() loaded the run's own or checkpoint.load
+            load_initial_weights(trainer, cfg, ctx.groups)  # the pretrained model, or a previous SFT stage
         if on_start is not None:
             on_start(trainer)
         out = Path(cfg.run.output_dir)

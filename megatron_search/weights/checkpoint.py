@@ -33,9 +33,13 @@ from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
 
 EXTRA_DIR = "hf_extra"
 LAYOUT_FILE = "layout.json"  # how the source stored its experts: {"fused_experts": bool}
-# Small files of an HF checkpoint that travel with it unchanged.
+# Small files of an HF checkpoint that travel with it unchanged: what transformers, SGLang and vLLM read beside the
+# weights (Qwen3.5's multimodal class builds its processor from the preprocessor / processor files even when only
+# text is served).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
-              "merges.txt", "special_tokens_map.json", "chat_template.jinja", "preprocessor_config.json")
+              "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "preprocessor_config.json", "video_preprocessor_config.json",
+              "processor_config.json")
 
 
 def _state_dict_key(i: int, n: int) -> str:
@@ -79,11 +83,19 @@ def hf_to_mcore(cfg, hf_dir: str | Path, out_dir: str | Path, groups, *, progres
     _barrier()
 
 
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the HF side files (SIDE_FILES) that `src` holds and `dst` lacks; returns their names."""
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Mapping) -> None:
     extra.mkdir(parents=True, exist_ok=True)
-    for name in SIDE_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copy2(hf_dir / name, extra / name)
+    copy_side_files(hf_dir, extra)
     (extra / LAYOUT_FILE).write_text(json.dumps({"fused_experts": is_fused_checkpoint(source.names())}))
     carried = sorted(n for n in source.names() if mapping.is_passthrough(n))
     if carried:
@@ -95,17 +107,23 @@ def _write_extra(hf_dir: Path, extra: Path, source: HFTensorSource, mapping: Map
 
 def load_mcore_checkpoint(cfg, ckpt_dir: str | Path, groups) -> list[torch.nn.Module]:
     """Build this rank's model chunks (in `groups`) and load a distributed checkpoint into them (any layout)."""
+    chunks = build_model_chunks(cfg, groups)
+    load_mcore_into(cfg, chunks, ckpt_dir)
+    return chunks
+
+
+def load_mcore_into(cfg, chunks: list, ckpt_dir: str | Path) -> None:
+    """Every rank: load a `hf_to_mcore` checkpoint (any layout) into this rank's built chunks, in place (so a
+    model already wrapped in DDP keeps its buffers)."""
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "metadata.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir}: not a Megatron distributed checkpoint (no metadata.json)")
     if (ckpt_dir / EXTRA_DIR / "config.json").is_file():
         check_architecture(cfg.model, ckpt_dir / EXTRA_DIR / "config.json")
-    chunks = build_model_chunks(cfg, groups)
     sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, c in enumerate(chunks):
         c.load_state_dict(loaded[_state_dict_key(i, len(chunks))], strict=False)
-    return chunks
 
 
 def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucket_bytes: int = 512 << 20,
@@ -152,13 +170,12 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
             writer.add(n, src.get(n))
             count += 1
     files = writer.close()
-    for name in SIDE_FILES:
-        if (extra / name).is_file():
-            shutil.copy2(extra / name, out_dir / name)
+    copy_side_files(extra, out_dir)
+    # a training checkpoint carries no hf_extra: the model's own HF files (model.path's, else model.hf_config's)
+    # make the output a directory transformers, SGLang and vLLM load
+    copy_side_files(cfg.model.served_model()[0], out_dir)
     hf_config = cfg.model.resolved_hf_config()
-    hf_config = hf_config / "config.json" if hf_config.is_dir() else hf_config
-    if not (out_dir / "config.json").exists() and hf_config.is_file():
-        # a training checkpoint carries no hf_extra: the model's own config.json makes the output loadable
+    if hf_config.is_file() and not (out_dir / "config.json").exists():
         shutil.copy2(hf_config, out_dir / "config.json")
     _barrier()
     return {"tensors": count, "bytes": writer.total_bytes, "files": files}

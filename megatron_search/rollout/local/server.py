@@ -210,6 +210,9 @@ async def update_weights_from_disk(request: web.Request, engine: LocalEngine) ->
     p = "/update_weights_from_disk"
     body = await read_json(request)
     model_path = field(body, "model_path", str, where=p)
+    fmt = field(body, "load_format", str, None, p)
+    if fmt not in (None, "auto", "safetensors"):  # the local engine reads safetensors only
+        raise BadRequest(f"{p}: load_format {fmt!r}: the local engine loads 'safetensors' (or 'auto')")
     await engine.update_weights_from_disk(model_path, weight_version=_version(body, "weight_version", p),
                                           abort_all_requests=_flag(body, "abort_all_requests", False, p))
     return _ok(f"loaded {model_path}")

@@ -34,6 +34,7 @@ from megatron_search.rollout.engine.tensor_payload import LOCAL_TENSOR_FORMAT, s
 from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 
 TensorFormat = Literal["auto", "safetensors_base64", "sglang"]
+DISK_LOAD_FORMAT = "safetensors"  # what the exporter writes (weights/safetensors_writer.py)
 
 
 class SGLangClient(Engine):
@@ -217,7 +218,10 @@ class SGLangClient(Engine):
         await self._call("/update_weights_from_tensor", payload)
 
     async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
-        payload = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        # load_format named: SGLang's None means the server's own, which for an engine started with
+        # --load-format dummy is the dummy loader, and its disk update refuses any loader but the default one.
+        payload = {"model_path": str(model_path), "load_format": DISK_LOAD_FORMAT,
+                   "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         await self._call("/update_weights_from_disk", payload)
@@ -366,9 +370,7 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
                           routed_experts: bool = False) -> list[ServerProcess]:
     """Start `rollout.num_engines` SGLang servers and wait for each to be healthy (`routed_experts`: sglang_command)."""
     sg = cfg.rollout.sglang
-    model_path = model_path or sg.model_path or cfg.model.checkpoint
-    if not model_path:
-        raise EngineError("rollout.sglang.model_path (or model.checkpoint) must name the HF directory to serve")
+    model_path = model_path or sg.model_path or str(cfg.model.served_model()[0])
     key_env = cfg.rollout.api_key_env
     job_key(key_env)  # from the environment, or generated for this job and exported
     env = dict(os.environ)

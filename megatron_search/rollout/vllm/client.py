@@ -383,9 +383,7 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
                         routed_experts: bool = False) -> list[ServerProcess]:
     """Start `rollout.num_engines` vLLM servers on this host (each on its own GPUs) and wait until each is healthy."""
     v = cfg.rollout.vllm
-    model_path = model_path or v.model_path or cfg.model.checkpoint
-    if not model_path:
-        raise EngineError("rollout.vllm.model_path (or model.checkpoint) must name the HF directory to serve")
+    model_path = model_path or v.model_path or str(cfg.model.served_model()[0])
     servers: list[ServerProcess] = []
     try:
         for i in range(cfg.rollout.num_engines):

@@ -1,0 +1,180 @@
+"""The real-model workflow on tiny checkpoints: one model path supplies the architecture, tokenizer, chat format
+and initial weights; SFT starts from the pretrained weights (an HF directory or its `convert hf-to-mcore`
+output); a training stage without initial weights, and a chat style the model was not trained on, are refused;
+what we write out is a complete HF directory.
+
+The HF directory is made by transformers (`save_pretrained` of a random-weight Qwen3-MoE) with a tokenizer.json
+trained by `tokenizers`; the reference loss is transformers' own cross entropy on the SFT run's first batch.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _sft_helpers import train_tokenizer, write_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "models" / "tiny_qwen3_moe"
+Q35_397B = REPO / "configs" / "models" / "qwen3_5_397b_a17b"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A complete tiny Qwen3-MoE HF directory: config, random weights (seeded), tokenizer.json, side files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("hf_qwen3_moe")
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY)), dtype=torch.float32)
+    with torch.no_grad():  # logits ~30x a fresh init's: a loss far from any random init's (about ln V)
+        model.model.norm.weight.fill_(30.0)
+    model.save_pretrained(str(out))
+    train_tokenizer(out)  # tokenizer.json beside the weights
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6}))
+    return out
+
+
+def _tokens_loss(model_dir: Path, batch) -> float:
+    """transformers' token-mean cross entropy of `batch` (tokens -> labels under loss_mask), float64 sums."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens).logits.double()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
+    mask = batch.loss_mask.flatten().double()
+    return float((ce * mask).sum() / mask.sum())
+
+
+def _sft_cfg(tmp: Path, start: list[str], steps: int = 1):
+    """One SFT step on 4 examples in one micro-batch (the step's loss is then the batch's token mean); the
+    tokenizer and chat style are the model's own (from model.path), not overrides."""
+    from megatron_search.config import load_config
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = write_dataset(tmp / "data.jsonl", range(8))
+    return load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [
+        f"sft.datasets={{{data}: 1.0}}", "sft.seq_length=224", "sft.global_batch_size=4", "sft.micro_batch_size=4",
+        f"sft.steps={steps}", "optim.lr=1e-4", f"run.output_dir={tmp / 'run'}", f"checkpoint.dir={tmp / 'ckpt'}",
+        "checkpoint.save_interval=100", "logging.progress_bars=false", "parallel.world_size=1", *start])
+
+
+def _first_batch(cfg):
+    from megatron_search.train.sft import build_batcher
+
+    return build_batcher(cfg).next_batch()
+
+
+# ---- config: one model path ---------------------------------------------------------------------------------
+
+def test_model_path_supplies_architecture_tokenizer_and_chat_style(hf_dir):
+    from megatron_search.config import load_config
+
+    cfg = load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [f"model.path={hf_dir}", "model.hf_config=",
+                                                               "model.init=pretrained"])
+    assert Path(cfg.model.hf_config) == hf_dir
+    assert Path(cfg.model.tokenizer) == hf_dir / "tokenizer.json"
+    assert cfg.model.chat_style == "qwen3"
+    assert cfg.model.served_model() == (hf_dir, True)
+
+
+def test_397b_config_takes_the_model_directorys_tokenizer_and_qwen3_5_chat_style(tmp_path):
+    from megatron_search.config import load_config
+    from megatron_search.launch.slurm_plan import sglang_argv
+
+    model = tmp_path / "Qwen3.5-397B-A17B"
+    model.mkdir()
+    shutil.copy(Q35_397B / "config.json", model / "config.json")  # the real config; weights are not needed here
+    train_tokenizer(model)
+    cfg = load_config(str(REPO / "configs" / "qwen3_5_397b_a17b_grpo.yaml"), [f"model.path={model}"])
+    assert cfg.model.chat_style == "qwen3_5"
+    assert Path(cfg.model.tokenizer) == model / "tokenizer.json"
+    # no weights in the directory: the engines start from it (its side files) with dummy weights
+    argv = sglang_argv(cfg, str(cfg.model.served_model()[0]), 30000, 1, 0, "")
+    assert argv[argv.index("--model-path") + 1] == str(model) and "dummy" in argv
+
+
+def test_a_chat_style_the_model_was_not_trained_on_is_refused():
+    from megatron_search.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.chat_style: 'qwen3' is not the chat format .*qwen3_5"):
+        load_config(str(REPO / "configs" / "tiny_qwen3_5_cpu.yaml"), ["model.chat_style=qwen3"])
+
+
+def test_training_without_initial_weights_is_refused_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_search.cli", "config", "--stage", "sft",
+                           str(REPO / "configs" / "qwen3_5_397b_a17b_sft.yaml")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    problems = [line for line in proc.stderr.splitlines() if line.startswith("  ")]
+    assert len(problems) == 1 and problems[0].strip().startswith("model.path:"), proc.stderr
+
+
+def test_a_path_without_weights_and_the_old_field_are_refused(tmp_path):
+    from megatron_search.config import ConfigError, load_config
+
+    empty = tmp_path / "m"
+    empty.mkdir()
+    shutil.copy(TINY / "config.json", empty / "config.json")
+    train_tokenizer(empty)
+    with pytest.raises(ConfigError, match=r"model.path: .* holds no weights"):
+        load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [f"model.path={empty}", "model.init=pretrained"],
+                    stage="sft")
+    with pytest.raises(ConfigError, match="model.checkpoint is gone"):
+        load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [f"model.checkpoint={empty}"])
+
+
+# ---- SFT starts from the pretrained weights ------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_sft_from_the_hf_directory_starts_at_transformers_loss(hf_dir, tmp_path):
+    from megatron_search.train.sft import run_sft
+
+    cfg = _sft_cfg(tmp_path, [f"model.path={hf_dir}", "model.hf_config=", "model.init=pretrained"])
+    assert Path(cfg.model.tokenizer) == hf_dir / "tokenizer.json"
+    expected = _tokens_loss(hf_dir, _first_batch(cfg))
+    got = run_sft(cfg)["losses"][0]  # step 1's loss: the forward before the first update
+    assert got == pytest.approx(expected, rel=1e-4), (got, expected)
+    # the random init of the same config is far from it: the weights were loaded, not re-drawn
+    rand = run_sft(_sft_cfg(tmp_path / "rand", [f"model.hf_config={hf_dir}", f"model.tokenizer={hf_dir}/tokenizer.json",
+                                                "model.init=random"]))["losses"][0]
+    assert abs(rand - expected) > 0.1 * expected, (rand, expected)
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_sft_from_the_converted_megatron_checkpoint_starts_at_transformers_loss(hf_dir, tmp_path):
+    from megatron_search.train.sft import run_sft
+    from megatron_search.weights.convert import convert
+
+    mcore = tmp_path / "mcore"
+    convert("hf_to_mcore", hf_dir, mcore, progress=False)
+    cfg = _sft_cfg(tmp_path, [f"model.path={mcore}", "model.hf_config=", "model.init=pretrained"])
+    assert Path(cfg.model.tokenizer) == mcore / "hf_extra" / "tokenizer.json"  # its HF side travelled along
+    expected = _tokens_loss(hf_dir, _first_batch(cfg))
+    assert run_sft(cfg)["losses"][0] == pytest.approx(expected, rel=1e-4)
+
+
+# ---- complete HF directories out ------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+def test_hf_round_trip_writes_a_complete_directory(hf_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_search.weights.convert import convert
+
+    convert("hf_to_mcore", hf_dir, tmp_path / "mcore", progress=False)
+    out = tmp_path / "hf"
+    convert("mcore_to_hf", tmp_path / "mcore", out, progress=False)
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.encode("When was Quessa founded?") == AutoTokenizer.from_pretrained(str(hf_dir)).encode(
+        "When was Quessa founded?")
