@@ -79,7 +79,7 @@ def test_model_path_supplies_architecture_tokenizer_and_chat_style(hf_dir):
     assert Path(cfg.model.hf_config) == hf_dir
     assert Path(cfg.model.tokenizer) == hf_dir / "tokenizer.json"
     assert cfg.model.chat_style == "qwen3"
-    assert cfg.model.served_model() == (hf_dir, True)
+    assert cfg.model.engine_dir() == hf_dir
 
 
 def test_397b_config_takes_the_model_directorys_tokenizer_and_qwen3_5_chat_style(tmp_path):
@@ -94,7 +94,7 @@ def test_397b_config_takes_the_model_directorys_tokenizer_and_qwen3_5_chat_style
     assert cfg.model.chat_style == "qwen3_5"
     assert Path(cfg.model.tokenizer) == model / "tokenizer.json"
     # no weights in the directory: the engines start from it (its side files) with dummy weights
-    argv = sglang_argv(cfg, str(cfg.model.served_model()[0]), 30000, 1, 0, "")
+    argv = sglang_argv(cfg, str(cfg.model.engine_dir()), 30000, 1, 0, "")
     assert argv[argv.index("--model-path") + 1] == str(model) and "dummy" in argv
 
 
@@ -146,6 +146,29 @@ def test_sft_from_the_hf_directory_starts_at_transformers_loss(hf_dir, tmp_path)
     rand = run_sft(_sft_cfg(tmp_path / "rand", [f"model.hf_config={hf_dir}", f"model.tokenizer={hf_dir}/tokenizer.json",
                                                 "model.init=random"]))["losses"][0]
     assert abs(rand - expected) > 0.1 * expected, (rand, expected)
+
+
+@pytest.mark.e2e
+def test_a_requeueable_run_starts_from_the_hf_directory_too(hf_dir, tmp_path):
+    from megatron_search.train.sft import run_sft
+
+    # checkpoint.resume=true (as Slurm requeues run): no checkpoint of its own yet, so model.path is loaded
+    cfg = _sft_cfg(tmp_path, [f"model.path={hf_dir}", "model.hf_config=", "model.init=pretrained",
+                              "checkpoint.resume=true"])
+    expected = _tokens_loss(hf_dir, _first_batch(cfg))
+    assert run_sft(cfg)["losses"][0] == pytest.approx(expected, rel=1e-4)
+
+
+def test_qwen3_5_without_its_tokenizer_is_refused(tmp_path):
+    from megatron_search.config import ConfigError, load_config
+
+    ckpt = tmp_path / "sft_run"
+    (ckpt / "step_00000001").mkdir(parents=True)
+    (ckpt / "step_00000001" / "trainer.json").write_text("{}")
+    with pytest.raises(ConfigError) as ei:  # GRPO from an SFT run, no model.path: no Qwen3.5 tokenizer named
+        load_config(str(REPO / "configs" / "tiny_qwen3_5_cpu.yaml"), [f"checkpoint.load={ckpt}", "model.init=pretrained"],
+                    stage="sft")
+    assert [p.split(":")[0] for p in ei.value.problems] == ["model.tokenizer"]
 
 
 @pytest.mark.e2e

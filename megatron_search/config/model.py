@@ -127,18 +127,16 @@ class ModelConfig(Section):
     def resolved_hf_config(self) -> Path:
         return resolve_repo_path(self.hf_config)
 
-    def served_model(self) -> tuple[Path, bool]:
-        """(directory, holds weights) an engine starts from when rollout.*.model_path is unset: model.path when it
-        is an HF directory with weights; else the HF files it keeps (a convert output's hf_extra/), else
-        hf_config's directory, both started with dummy weights (the policy's arrive by weight sync)."""
+    def engine_dir(self) -> Path:
+        """The HF directory engines start from when rollout.*.model_path is unset: model.path when it is one, else
+        the HF files it keeps (a convert output's hf_extra/), else model.hf_config's directory. GRPO starts them
+        with dummy weights: the policy is pushed before the first rollout, so reading the weights would be waste."""
         path = self.resolved_path()
-        if path is not None and weights_format(path) == "hf" and (path / "config.json").is_file():
-            return path, True
         side = _hf_side(path) if path is not None else None
         if side is not None:
-            return side, False
+            return side
         hf = self.resolved_hf_config()
-        return (hf if hf.is_dir() else hf.parent), False
+        return hf if hf.is_dir() else hf.parent
 
     def resolved_path(self) -> Optional[Path]:
         """model.path resolved like hf_config (None when unset)."""

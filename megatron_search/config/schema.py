@@ -54,6 +54,13 @@ class Config(Section):
             raise ValueError("\n".join(problems))
         return self
 
+    def initial_weights_source(self) -> Optional[str]:
+        """The path a fresh training run starts from (checkpoint.load, else model.path unless model.init=random),
+        or None for a random init."""
+        if self.checkpoint.load:
+            return self.checkpoint.load
+        return self.model.path if self.model.init == "pretrained" else None
+
     def approx_params(self) -> int:
         """Rough language-model parameter count (embeddings, routed and shared experts, attention-sized
         projections per layer): enough to tell a tiny model from one a rank-0 CPU engine cannot hold."""
@@ -232,7 +239,19 @@ def stage_problems(cfg: Config, stage: Optional[str], world_size: int | None, in
         out += _grpo_problems(cfg, inputs)
     if stage in ("sft", "grpo") and inputs:
         out += initial_weights_problems(cfg, stage)
+    if inputs and not any(p.startswith("model.path:") for p in out):  # model.path would fix both: say it once
+        out += tokenizer_problems(cfg)
     return out
+
+
+def tokenizer_problems(cfg: Config) -> list[str]:
+    """'qwen' (the fallback without model.path) is the Qwen2/3 BPE: not the tokenizer of another model_type."""
+    model_type = cfg.model.architecture.model_type
+    if cfg.model.tokenizer == "qwen" and model_type != "qwen3_moe":
+        return [f"model.tokenizer: 'qwen' is the Qwen2/3 BPE, not the tokenizer of {cfg.model.hf_config} (model_type "
+                f"{model_type!r}); set model.path to the model's HF directory (or model.tokenizer to its "
+                "tokenizer.json)"]
+    return []
 
 
 def initial_weights_problems(cfg: Config, stage: str) -> list[str]:

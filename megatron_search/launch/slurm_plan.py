@@ -57,7 +57,8 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
                 base_gpu_id: int = 0, engine_index: int = 0) -> list[str]:
     """argv of one SGLang server process for the cluster: rollout/sglang/client.py's command, reachable from
     the training nodes (0.0.0.0 on the cluster's private network), spread over `nnodes` nodes, and
-    with dummy weights when there is no HF checkpoint (the policy's weights arrive by weight sync).
+    with dummy weights unless rollout.sglang.model_path names what to serve (the policy arrives by weight sync
+    before the first rollout).
     Each engine samples with its own seed (run.seed + engine_index): the rollouts of one group are
     spread over engines and must not repeat each other's random draws."""
     from megatron_search.rollout.sglang.client import (sglang_command)  # start-up: rollout clients, +0.11 s on launch-plan
@@ -70,7 +71,7 @@ def sglang_argv(cfg: Config, model_path: str, port: int, nnodes: int, node_rank:
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
     if nnodes > 1:
         argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_addr]
-    if not cfg.rollout.sglang.model_path and not cfg.model.served_model()[1]:
+    if not cfg.rollout.sglang.model_path:  # the policy is pushed before the first rollout
         argv += ["--load-format", "dummy"]
     return argv
 
@@ -79,7 +80,7 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
     """argv of one vLLM server for the cluster: rollout/vllm/client.py's `vllm serve` line run through its main (the key
     from $rollout.api_key_env becomes $VLLM_API_KEY there, never an argument), on `gpus` of its node, reachable from
     the training nodes (0.0.0.0 on the private network: vLLM's RL routes are not guarded by its key), seeded per
-    engine, dummy weights without an HF checkpoint (the policy's weights arrive by weight sync)."""
+    engine, dummy weights unless rollout.vllm.model_path is set (the policy arrives by weight sync first)."""
     # start-up: rollout clients, +0.11 s on launch-plan
     from megatron_search.rollout.vllm.client import serve_argv, vllm_command
 
@@ -88,7 +89,7 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
                                             "enable_sleep_mode": colocated and cfg.rollout.vllm.enable_sleep_mode})
     inner = vllm_command(v, model_path, port, routed_experts=cfg.grpo.wants_routed_experts(),
                          seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob)
-    if not cfg.rollout.vllm.model_path and not cfg.model.served_model()[1]:
+    if not cfg.rollout.vllm.model_path:  # the policy is pushed before the first rollout
         inner += ["--load-format", "dummy"]
     argv = serve_argv(inner[1:], cfg.rollout.api_key_env, gpus)
     argv[0] = "python"  # the compute nodes' interpreter from the job's environment
@@ -133,7 +134,7 @@ def make_launch_plan(
                 f"rollout.sglang: an engine of {gpus_per_engine} GPUs must fill whole nodes of {per_node} GPUs "
                 f"or divide one"
             )
-        model = cfg.rollout.sglang.model_path or str(cfg.model.served_model()[0])
+        model = cfg.rollout.sglang.model_path or str(cfg.model.engine_dir())
         port = cfg.rollout.sglang.base_port
         if gpus_per_engine >= per_node:
             span = gpus_per_engine // per_node
@@ -173,7 +174,7 @@ def _plan_vllm(plan: LaunchPlan, cfg: Config, serve_nodes: list[str]) -> None:
     if per_node % gpus:
         raise LaunchError(f"rollout.vllm: an engine of TP x DP = {gpus} GPUs must divide a node of {per_node} GPUs "
                           "(multi-node vLLM engines need its Ray or --nnodes setup, which this plan does not make)")
-    model = v.model_path or str(cfg.model.served_model()[0])
+    model = v.model_path or str(cfg.model.engine_dir())
     per = per_node // gpus
     for n, node in enumerate(serve_nodes):
         for j in range(per):

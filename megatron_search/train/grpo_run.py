@@ -82,7 +82,7 @@ class GRPORun:
         extra = self.trainer.resume()
         # The reward model runs in the training layout: every rank holds its shard and scores together.
         self.preference = build_preference(cfg, ctx.groups)
-        if not extra and not cfg.checkpoint.resume:  # resume() loaded the run's own or checkpoint.load
+        if self.trainer.resumed_from is None:  # a fresh start
             load_initial_weights(self.trainer, cfg, ctx.groups)  # the SFT checkpoint, or the pretrained model
         if self.is_driver:
             self._build_driver(extra)

@@ -96,7 +96,7 @@ def save_hf_weights(model_chunks, cfg, groups, out_dir: Path, bucket_bytes: int)
             writer.add(name, t)
     if rank0:
         writer.close()
-        copy_side_files(cfg.model.served_model()[0], tmp)  # config, tokenizer, chat template, processor files
+        copy_side_files(cfg.model.engine_dir(), tmp)  # config, tokenizer, chat template, processor files
         hf_config = cfg.model.resolved_hf_config()
         if not (tmp / "config.json").exists():
             shutil.copyfile(hf_config / "config.json" if hf_config.is_dir() else hf_config, tmp / "config.json")

@@ -17,16 +17,9 @@ from megatron_search.weights.hf_source import HFTensorSource
 from megatron_search.weights.load import load_hf_into_model
 
 
-def initial_weights_source(cfg) -> Optional[str]:
-    """The path a fresh run starts from, or None for a random init."""
-    if cfg.checkpoint.load:
-        return cfg.checkpoint.load
-    return cfg.model.path if cfg.model.init == "pretrained" else None
-
-
 def load_initial_weights(trainer, cfg, groups) -> Optional[str]:
     """Every rank: load the stage's initial weights into `trainer` (collective); returns what was loaded, or None."""
-    source = initial_weights_source(cfg)
+    source = cfg.initial_weights_source()
     if source is None:
         return None
     path = resolve_repo_path(source)

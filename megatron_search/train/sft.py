@@ -100,7 +100,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         extra = trainer.resume()
         if extra:
             batcher.load_state_dict(extra["data"])
-        elif not cfg.checkpoint.resume:  # resume() loaded the run's own or checkpoint.load
+        elif trainer.resumed_from is None:  # a fresh start
             load_initial_weights(trainer, cfg, ctx.groups)  # the pretrained model, or a previous SFT stage
         if on_start is not None:
             on_start(trainer)

@@ -45,6 +45,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_search.config.loader import ConfigError
+from megatron_search.config.model import resolve_repo_path, weights_format
 from megatron_search.config.schema import training_problems
 from megatron_search.distributed import collectives as coll
 from megatron_search.models.mtp import freeze_mtp
@@ -87,6 +88,7 @@ class Trainer:
         self.iteration = 0  # optimizer steps taken so far (the next step uses the LR of `iteration`)
         self.consumed_tokens = 0  # global loss tokens trained on so far
         self.root = checkpoint_root(cfg)
+        self.resumed_from: Optional[Path] = None  # the checkpoint resume() loaded, if any
 
     # ------------------------------------------------------------------ stepping
     @property
@@ -163,15 +165,21 @@ class Trainer:
         (checkpoint.load) and requeued with checkpoint.resume=true continues from its own last step, never
         from the SFT checkpoint's iteration.
 
-        Returns the saved `extra` ({} when starting fresh). Raises when resume is asked for but no
+        Returns the saved `extra` ({} when starting fresh, also on the first start of a run whose initial
+        weights are not a run checkpoint: the caller loads those). Raises when resume is asked for but no
         checkpoint exists, so a typo in the path never silently restarts from scratch.
         """
         ck = self.cfg.checkpoint
         if not ck.resume:
             return {}
         own = latest_checkpoint(self.root) if self.root.is_dir() else None
+        start = self.cfg.initial_weights_source()
+        if own is None and start is not None and weights_format(resolve_repo_path(start)) != "run":
+            return {}  # a first start from pretrained weights (an HF directory or a converted checkpoint)
         source = self.root if own is not None or not ck.load else Path(ck.load)
         path = own or (source if (source / "trainer.json").is_file() else latest_checkpoint(source))
         if path is None:
             raise FileNotFoundError(f"checkpoint.resume: no complete checkpoint under {source}")
-        return self.load(path)
+        extra = self.load(path)
+        self.resumed_from = path
+        return extra

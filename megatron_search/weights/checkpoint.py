@@ -123,7 +123,11 @@ def load_mcore_into(cfg, chunks: list, ckpt_dir: str | Path) -> None:
     sharded = {_state_dict_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, c in enumerate(chunks):
-        c.load_state_dict(loaded[_state_dict_key(i, len(chunks))], strict=False)
+        result = c.load_state_dict(loaded[_state_dict_key(i, len(chunks))], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing:  # TE's _extra_state may be absent from a checkpoint written without TE; weights may not
+            raise CheckpointMismatchError(f"{ckpt_dir}: no value for {len(missing)} parameter(s) of this model, "
+                                          f"e.g. {missing[:3]}")
 
 
 def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucket_bytes: int = 512 << 20,
@@ -173,7 +177,7 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
     copy_side_files(extra, out_dir)
     # a training checkpoint carries no hf_extra: the model's own HF files (model.path's, else model.hf_config's)
     # make the output a directory transformers, SGLang and vLLM load
-    copy_side_files(cfg.model.served_model()[0], out_dir)
+    copy_side_files(cfg.model.engine_dir(), out_dir)
     hf_config = cfg.model.resolved_hf_config()
     if hf_config.is_file() and not (out_dir / "config.json").exists():
         shutil.copy2(hf_config, out_dir / "config.json")

@@ -171,7 +171,7 @@ class LocalEngine(Engine):
     def from_config(cls, cfg, device: Optional[str | torch.device] = None) -> "LocalEngine":
         """Build from the root Config (rollout.local + model sections) on `device` (default rollout.local.device)."""
         lc = cfg.rollout.local
-        path = lc.model_path or str(cfg.model.served_model()[0])
+        path = lc.model_path or str(cfg.model.engine_dir())
         return cls(
             path, dtype=lc.dtype or cfg.model.params_dtype, seed=lc.seed,
             max_running_requests=lc.max_running_requests, prefix_cache_entries=lc.prefix_cache_entries,

@@ -370,7 +370,8 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
                           routed_experts: bool = False) -> list[ServerProcess]:
     """Start `rollout.num_engines` SGLang servers and wait for each to be healthy (`routed_experts`: sglang_command)."""
     sg = cfg.rollout.sglang
-    model_path = model_path or sg.model_path or str(cfg.model.served_model()[0])
+    dummy = not (model_path or sg.model_path)  # the policy is pushed before the first rollout
+    model_path = model_path or sg.model_path or str(cfg.model.engine_dir())
     key_env = cfg.rollout.api_key_env
     job_key(key_env)  # from the environment, or generated for this job and exported
     env = dict(os.environ)
@@ -383,6 +384,8 @@ def launch_sglang_servers(cfg, output_dir: str | Path, model_path: Optional[str]
             argv = sglang_command(sg, model_path, port, routed_experts, seed=cfg.model.seed + i,
                                   skip_tokenizer_init=sg.skip_tokenizer_init, base_gpu_id=i * sg.tp * sg.dp,
                                   api_key_env=key_env)
+            if dummy:
+                argv += ["--load-format", "dummy"]
             server = ServerProcess(argv, Path(output_dir) / sg.log_dir / f"server_{i}.log", env)
             servers.append(server)
         for i, server in enumerate(servers):

@@ -383,7 +383,8 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
                         routed_experts: bool = False) -> list[ServerProcess]:
     """Start `rollout.num_engines` vLLM servers on this host (each on its own GPUs) and wait until each is healthy."""
     v = cfg.rollout.vllm
-    model_path = model_path or v.model_path or str(cfg.model.served_model()[0])
+    dummy = not (model_path or v.model_path)  # the policy is pushed before the first rollout
+    model_path = model_path or v.model_path or str(cfg.model.engine_dir())
     servers: list[ServerProcess] = []
     try:
         for i in range(cfg.rollout.num_engines):
@@ -395,6 +396,8 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i * gpus:(i + 1) * gpus])  # vLLM has no --base-gpu-id
             argv = vllm_command(v, model_path, port, routed_experts, seed=cfg.model.seed + i,
                                 original_logprob=cfg.rollout.return_original_logprob)
+            if dummy:
+                argv += ["--load-format", "dummy"]
             servers.append(ServerProcess(argv, Path(output_dir) / v.log_dir / f"server_{i}.log", env))
         for i, server in enumerate(servers):
             server.wait_healthy(f"http://{v.host}:{v.base_port + ENGINE_PORT_STRIDE * i}", v.startup_timeout_s)
