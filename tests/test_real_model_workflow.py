@@ -38,20 +38,25 @@ def hf_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _tokens_loss(model_dir: Path, batch) -> float:
-    """transformers' token-mean cross entropy of `batch` (tokens -> labels under loss_mask), float64 sums."""
+def _tokens_loss(model_dir: Path, batch, parts: int = 1) -> float:
+    """transformers' token-mean cross entropy of `batch` (tokens -> labels under loss_mask), float64 sums; with
+    `parts` > 1 the mean of each contiguous part's token mean (what a step over that many micro-batches, or
+    data-parallel ranks of one micro-batch each, reports)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=batch.tokens).logits.double()
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
-    mask = batch.loss_mask.flatten().double()
-    return float((ce * mask).sum() / mask.sum())
+    ce, mask = ce.view_as(batch.labels), batch.loss_mask.double()
+    per = batch.tokens.shape[0] // parts
+    means = [float((ce[i:i + per] * mask[i:i + per]).sum() / mask[i:i + per].sum())
+             for i in range(0, batch.tokens.shape[0], per)]
+    return sum(means) / len(means)
 
 
-def _sft_cfg(tmp: Path, start: list[str], steps: int = 1):
-    """One SFT step on 4 examples in one micro-batch (the step's loss is then the batch's token mean); the
+def _sft_cfg(tmp: Path, start: list[str], steps: int = 1, world: int = 1):
+    """One SFT step on 4 examples, one micro-batch per data-parallel rank unless `start` says otherwise; the
     tokenizer and chat style are the model's own (from model.path), not overrides."""
     from megatron_search.config import load_config
 
@@ -60,7 +65,7 @@ def _sft_cfg(tmp: Path, start: list[str], steps: int = 1):
     return load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [
         f"sft.datasets={{{data}: 1.0}}", "sft.seq_length=224", "sft.global_batch_size=4", "sft.micro_batch_size=4",
         f"sft.steps={steps}", "optim.lr=1e-4", f"run.output_dir={tmp / 'run'}", f"checkpoint.dir={tmp / 'ckpt'}",
-        "checkpoint.save_interval=100", "logging.progress_bars=false", "parallel.world_size=1", *start])
+        "checkpoint.save_interval=100", "logging.progress_bars=false", f"parallel.world_size={world}", *start])
 
 
 def _first_batch(cfg):
@@ -148,6 +153,43 @@ def test_sft_from_the_hf_directory_starts_at_transformers_loss(hf_dir, tmp_path)
     assert abs(rand - expected) > 0.1 * expected, (rand, expected)
 
 
+# TP=2 with sequence parallel (DP=1: one micro-batch of 4); EP=2 (DP=2: one micro-batch of 2 per rank)
+PARALLEL_STARTS = {"tp2_sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 1),
+                   "ep2": (["parallel.ep=2", "sft.micro_batch_size=2"], 2)}
+
+
+def _parallel_start_worker(rank: int, world: int, port: int, hf_dir: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_search.distributed import DistEnv
+    from megatron_search.train.sft import run_sft
+
+    env = DistEnv(rank, world, rank, "127.0.0.1", port, "torchrun")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    losses = {}
+    for name, (layout, _) in PARALLEL_STARTS.items():
+        cfg = _sft_cfg(Path(root) / name, [f"model.path={hf_dir}", "model.hf_config=", "model.init=pretrained",
+                                           *layout], world=world)
+        losses[name] = run_sft(cfg, env=env)["losses"][0]
+    (Path(root) / f"rank{rank}.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_sft_from_the_hf_directory_at_tp2_and_ep2_starts_at_transformers_loss(hf_dir, tmp_path):
+    from _mp import run_spawned
+
+    run_spawned(_parallel_start_worker, 2, str(hf_dir), str(tmp_path), timeout_s=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name, (layout, parts) in PARALLEL_STARTS.items():
+        cfg = _sft_cfg(tmp_path / f"{name}_ref", [f"model.path={hf_dir}", "model.hf_config=",
+                                                   "model.init=pretrained", *layout], world=2)
+        expected = _tokens_loss(hf_dir, _first_batch(cfg), parts)
+        for r, got in enumerate(ranks):
+            assert got[name] == pytest.approx(expected, rel=1e-4), (name, r, got[name], expected)
+
+
 @pytest.mark.e2e
 def test_a_requeueable_run_starts_from_the_hf_directory_too(hf_dir, tmp_path):
     from megatron_search.train.sft import run_sft
@@ -201,3 +243,69 @@ def test_hf_round_trip_writes_a_complete_directory(hf_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.encode("When was Quessa founded?") == AutoTokenizer.from_pretrained(str(hf_dir)).encode(
         "When was Quessa founded?")
+
+
+# ---- Qwen3.5: engines start from a complete directory ---------------------------------------------------------
+
+def _qwen3_5_dir(folder: Path, processor: bool) -> Path:
+    """A Qwen3.5 HF directory: the real 397B config.json, a tokenizer.json, no weights (engines start dummy); with
+    `processor`, the image processor's file saved by transformers (AutoProcessor reads it at engine start-up)."""
+    folder.mkdir(parents=True)
+    shutil.copy(Q35_397B / "config.json", folder / "config.json")
+    train_tokenizer(folder)
+    if processor:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2).save_pretrained(str(folder))
+    return folder
+
+
+def test_sglang_from_a_qwen3_5_directory_without_its_processor_files_is_refused(tmp_path):
+    from megatron_search.config import ConfigError, load_config
+
+    inputs = [f"checkpoint.load={tmp_path}", "model.init=random", "rm.load=RM", "data.qa_path=QA.jsonl",
+              "data.mix={qa: 1.0}"]
+    bare = _qwen3_5_dir(tmp_path / "bare", processor=False)
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(REPO / "configs" / "qwen3_5_397b_a17b_grpo.yaml"), [f"model.path={bare}", *inputs],
+                    stage="grpo")
+    (line,) = [p for p in ei.value.problems if p.startswith("model.path:")]
+    assert "Qwen3_5MoeForConditionalGeneration" in line and "preprocessor_config.json" in line, line
+    full = _qwen3_5_dir(tmp_path / "full", processor=True)
+    cfg = load_config(str(REPO / "configs" / "qwen3_5_397b_a17b_grpo.yaml"), [f"model.path={full}", *inputs],
+                      stage="grpo")
+    assert cfg.model.engine_dir() == full
+    # an engine given its own directory is not checked against model.path's
+    load_config(str(REPO / "configs" / "qwen3_5_397b_a17b_grpo.yaml"),
+                [f"model.path={bare}", f"rollout.sglang.model_path={full}", *inputs], stage="grpo")
+
+
+@pytest.mark.multiprocess
+def test_a_qwen3_5_export_keeps_the_processor_and_tokenizer_files(tmp_path):
+    """convert hf-to-mcore -> mcore-to-hf of a tiny Qwen3.5-MoE (random weights, transformers' save_pretrained)
+    with its processor file: the output loads in transformers (the multimodal model, its tokenizer, its image
+    processor) with the same weights, the vision tower's included. AutoProcessor itself also needs torchvision's video processor, which has no CPU build for this torch
+    on PyPI, so the image processor (PIL) and the tokenizer are loaded one by one."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen3_5MoeForConditionalGeneration
+
+    from megatron_search.weights.convert import convert
+
+    src = tmp_path / "q35"
+    torch.manual_seed(11)
+    tiny = REPO / "configs" / "models" / "tiny_qwen3_5_moe"
+    Qwen3_5MoeForConditionalGeneration(AutoConfig.from_pretrained(str(tiny))).float().save_pretrained(str(src))
+    train_tokenizer(src)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2).save_pretrained(str(src))
+    convert("hf_to_mcore", src, tmp_path / "mcore", progress=False)
+    out = tmp_path / "hf"
+    convert("mcore_to_hf", tmp_path / "mcore", out, progress=False)
+    for name in ("config.json", "tokenizer.json", "preprocessor_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert AutoImageProcessor.from_pretrained(str(out)).to_dict() == AutoImageProcessor.from_pretrained(str(src)).to_dict()
+    assert AutoTokenizer.from_pretrained(str(out)).encode("Quessa") == AutoTokenizer.from_pretrained(str(src)).encode(
+        "Quessa")
+    a = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).state_dict()
+    b = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

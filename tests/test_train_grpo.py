@@ -151,3 +151,76 @@ def test_greedy_rollouts_are_refused():
     with pytest.raises(LayoutError, match=r"rollout\.temperature: 0 samples greedily"):
         run_grpo(cfg)
 
+
+
+def _hf_tensors(folder: Path) -> dict:
+    from megatron_search.weights.hf_source import HFTensorSource
+
+    src = HFTensorSource.from_dir(folder)
+    return {n: src.get(n) for n in src.names()}
+
+
+@pytest.mark.e2e
+def test_grpo_from_an_sft_run_of_an_hf_directory_and_the_final_export(fx, tmp_path):
+    """The real-model workflow: an HF directory -> SFT from its weights -> `convert mcore-to-hf` of the SFT run ->
+    GRPO from the SFT run with the engines started from that export -> a final export that transformers loads and
+    that holds the trainer's weights (a forward of the trainer's last checkpoint gives transformers' loss on it)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from _grpo_fixture import TINY, grpo_worker
+    from _mp import run_spawned
+    from _sft_helpers import write_dataset
+    from megatron_search.config import load_config
+    from megatron_search.train.sft import build_batcher, run_sft
+    from megatron_search.weights.convert import convert
+
+    hf = tmp_path / "hf"
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY), dtype=torch.float32).save_pretrained(str(hf))
+    tokenizer = Path(fx["qa"]).parent / "tokenizer.json"
+    shutil.copy(tokenizer, hf / "tokenizer.json")
+    data = write_dataset(tmp_path / "sft.jsonl", range(8))
+
+    def sft(name: str, start: list[str]):
+        return load_config("configs/tiny_cpu.yaml", [
+            f"sft.datasets={{{data}: 1.0}}", "sft.seq_length=256", "sft.global_batch_size=4", "sft.micro_batch_size=4",
+            "sft.steps=2", "optim.lr=1e-3", f"run.output_dir={tmp_path / name}",
+            f"checkpoint.dir={tmp_path / name / 'ckpt'}", "logging.progress_bars=false", "model.hf_config=",
+            "model.init=pretrained", *start], stage="sft")
+
+    sft_run = run_sft(sft("sft", [f"model.path={hf}"]))
+    exported = tmp_path / "sft_hf"
+    convert("mcore_to_hf", tmp_path / "sft" / "ckpt", exported, progress=False)  # the run's root: its latest step
+    assert (exported / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    sft_weights, pretrained = _hf_tensors(exported), _hf_tensors(hf)
+    assert sft_weights.keys() == pretrained.keys()
+    assert any(not torch.equal(sft_weights[n], pretrained[n]) for n in pretrained)  # SFT moved them
+    assert sft_run["checkpoint"].endswith("step_00000002")
+
+    start = ["model.init=pretrained", f"model.path={exported}", "model.hf_config=", "model.tokenizer=",
+             f"checkpoint.load={tmp_path / 'sft' / 'ckpt'}", "checkpoint.save_interval=2"]
+    run_spawned(grpo_worker, 1, [("grpo", start)], fx, str(tmp_path))
+    run = tmp_path / "grpo"
+    served = load_config(str(run / "engines" / "rollout_engine_config.yaml"))  # what the engine process was given
+    assert served.rollout.local.model_path is None and served.model.engine_dir() == exported
+    # the policy GRPO started from is the SFT run's, tensor for tensor
+    start_weights = _hf_tensors(run / "reference_weights")
+    assert start_weights.keys() == sft_weights.keys()
+    assert all(torch.equal(start_weights[n], sft_weights[n]) for n in sft_weights)
+    check_run(run, 2)
+
+    final = run / "final_weights"
+    tok = AutoTokenizer.from_pretrained(str(final))
+    assert tok.encode("When was Quessa founded?") == AutoTokenizer.from_pretrained(str(hf)).encode(
+        "When was Quessa founded?")
+    model = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    cfg = sft("from_grpo", [f"model.path={final}", f"checkpoint.load={run / 'checkpoints'}", "sft.steps=1"])
+    batch = build_batcher(cfg).next_batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens).logits.double()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
+    mask = batch.loss_mask.flatten().double()
+    expected = float((ce * mask).sum() / mask.sum())
+    assert run_sft(cfg)["losses"][0] == pytest.approx(expected, rel=1e-5)

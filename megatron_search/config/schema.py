@@ -6,6 +6,8 @@ line naming the field, so one failed load shows everything that needs fixing.
 """
 from __future__ import annotations
 
+import json
+
 from typing import Optional
 
 from pydantic import Field, ValidationInfo, model_validator
@@ -241,7 +243,35 @@ def stage_problems(cfg: Config, stage: Optional[str], world_size: int | None, in
         out += initial_weights_problems(cfg, stage)
     if inputs and not any(p.startswith("model.path:") for p in out):  # model.path would fix both: say it once
         out += tokenizer_problems(cfg)
+    if stage == "grpo" and inputs and not any(p.startswith("model.path:") for p in out):
+        out += engine_dir_problems(cfg)
     return out
+
+
+# What AutoProcessor reads: SGLang builds a multimodal model's processor even with --skip-tokenizer-init
+# (managers/tokenizer_manager.py, 0.5.23), and vLLM builds it to size its multimodal inputs.
+PROCESSOR_FILES = ("preprocessor_config.json",)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def engine_dir_problems(cfg: Config) -> list[str]:
+    """SGLang and vLLM start from a complete HF directory: for a multimodal architecture (Qwen3.5's
+    *ForConditionalGeneration) that means its processor and tokenizer files, which a config.json alone lacks."""
+    engine = cfg.rollout.engine
+    if engine == "local" or getattr(cfg.rollout, engine).model_path:
+        return []
+    folder = cfg.model.engine_dir()
+    config = folder / "config.json"
+    archs = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    if not any(a.endswith("ForConditionalGeneration") for a in archs):
+        return []
+    missing = [f for f in PROCESSOR_FILES if not (folder / f).is_file()]
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        missing.append(" or ".join(TOKENIZER_FILES))
+    if not missing:
+        return []
+    return [f"model.path: {engine} starts {archs[0]} from {folder}, which lacks {', '.join(missing)} (its processor "
+            f"is built at start-up); set model.path to the model's full HF directory (or rollout.{engine}.model_path)"]
 
 
 def tokenizer_problems(cfg: Config) -> list[str]:

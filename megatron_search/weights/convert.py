@@ -51,13 +51,33 @@ def _rank_main(direction: str, config: Optional[str], overrides: list[str], src:
         ctx.teardown()
 
 
+def run_checkpoint_step(src: Path) -> Optional[Path]:
+    """The step directory of a training run's checkpoint at `src` (a step directory with trainer.json, or a
+    checkpoint root with its `latest` pointer: trainer/checkpoint_dir.py's layout), else None."""
+    if (src / "trainer.json").is_file():
+        return src
+    pointer = src / "latest"
+    if pointer.is_file() and (src / pointer.read_text().strip() / "trainer.json").is_file():
+        return src / pointer.read_text().strip()
+    return None
+
+
 def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optional[str] = None,
             hf_config: Optional[str] = None, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
             overrides: Sequence[str] = (), bucket_mb: Optional[int] = None, shard_mb: int = 4096,
             dtype: Optional[str] = None, progress: bool = True):
-    """Run one conversion on tp*pp*ep ranks; returns rank 0's summary (mcore_to_hf) or None."""
+    """Run one conversion on tp*pp*ep ranks; returns rank 0's summary (mcore_to_hf) or None.
+
+    mcore_to_hf also takes a training run's checkpoint (an SFT or GRPO run's step directory, or its checkpoint
+    root): its model weights are read, and the run's own config (config.yaml) names the architecture and the
+    HF directory whose tokenizer, chat template and processor files go beside the weights."""
     if direction not in ("hf_to_mcore", "mcore_to_hf"):
         raise ValueError(f"direction must be hf_to_mcore or mcore_to_hf, got {direction!r}")
+    step = run_checkpoint_step(Path(src)) if direction == "mcore_to_hf" else None
+    if step is not None:
+        src, config = step / "model_optim", config or str(step / "config.yaml")
+        if hf_config is None:
+            hf_config = str(load_config(config).model.resolved_hf_config())
     src, dst = str(Path(src).resolve()), str(Path(dst).resolve())
     if etp is None:  # Megatron: without EP the experts are sharded like the dense layers
         etp = tp if ep == 1 else 1
