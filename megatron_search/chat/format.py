@@ -17,12 +17,13 @@ Instruct-2507, or Qwen3 hybrid with thinking on: the model opens `<think>` itsel
 (`...<think>\\n`, Qwen3.5 default / Qwen3 Thinking-2507), "closed" (`...<think>\\n\\n</think>\\n\\n`,
 enable_thinking=False).
 
-Checked once against the official templates rendered by transformers' jinja environment
-(not shipped in the installed package, so the tests pin hand-written template output):
-identical for Qwen3.5 (think="open") and for Qwen3 Instruct-2507 (think="none") on
-conversations with system text, tools, parallel calls, several tool turns and reasoning.
-The Qwen3 *hybrid* template also adds an empty think block to the last assistant turn; use
-think="closed" for that model (every turn then carries the block, as its rollouts do).
+Checked against the official templates through transformers' `apply_chat_template`
+(tests/test_chat_templates_real.py; the templates in tests/fixtures/chat_templates/): identical,
+text and token ids, for Qwen3.5 (think="open") and Qwen3 Instruct-2507 (think="none") on
+conversations with system text, tools, parallel calls, several tool turns, multi-turn history
+and reasoning; identical for the Qwen3 *hybrid* template (think="none") where the turns after
+the last query carry reasoning. That template also gives a reasoning-less last assistant turn
+an empty think block, which we do not (a rollout's transcript is what the model generated).
 
 Parsing accepts both call syntaxes in either style (a policy may drift between them); a block
 that cannot be read is a `ToolCall` with `parse_error` set (broken class "malformed"). Calls

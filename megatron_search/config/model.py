@@ -1,6 +1,7 @@
 """Model and parallelism sections."""
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 from typing import Literal, Optional
@@ -43,7 +44,8 @@ class ModelConfig(Section):
         "or 'qwen' = the real Qwen2/3 BPE shipped in qwen-agent. Unset and no model.path: 'qwen'")
     chat_style: Optional[Literal["qwen3", "qwen3_5"]] = Field(
         None, description="tool-call syntax of the chat format (qwen3: JSON, qwen3_5: XML); unset: the model_type's "
-        "own (qwen3_moe -> qwen3, qwen3_5_moe -> qwen3_5); another than the model's is an error")
+        "own (qwen3_moe -> qwen3, qwen3_5_moe -> qwen3_5), which model.path's chat template must agree with; another "
+        "than the model's is an error")
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
@@ -108,6 +110,13 @@ class ModelConfig(Section):
             data["tokenizer"] = str(hf_side / "tokenizer.json") if hf_side is not None else "qwen"
         model_type = _model_type(resolve_repo_path(data["hf_config"]))
         own_style = CHAT_STYLE_OF.get(model_type)
+        template = chat_template_of(hf_side) if hf_side is not None else None
+        template_style = chat_style_of_template(template[1]) if template else None
+        if template_style is not None and own_style is not None and template_style != own_style:
+            raise ValueError(f"model.chat_style: the chat template {template[0]} writes tool calls as "
+                             f"{template_style!r}, but {data['hf_config']} is model_type {model_type!r} (whose "
+                             f"format is {own_style!r}); model.path mixes two models' files")
+        own_style = own_style or template_style
         style = data.get("chat_style")
         if style is None:
             data["chat_style"] = own_style or "qwen3"
@@ -157,6 +166,37 @@ def weights_format(folder: Path) -> Optional[str]:
         return "mcore"
     if any(folder.glob("*.safetensors")):
         return "hf"
+    return None
+
+
+def chat_template_of(folder: Path) -> Optional[tuple[Path, str]]:
+    """(file, text) of an HF directory's chat template: chat_template.jinja (Qwen3.5), else tokenizer_config.json's
+    chat_template (Qwen3; a list of named templates gives its 'default'); None when it has none."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja, jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text()).get("chat_template")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return (config, template) if isinstance(template, str) else None
+
+
+def chat_style_of_template(template: str) -> Optional[str]:
+    """The tool-call syntax a chat template writes: 'qwen3_5' (XML `<function=NAME>`), 'qwen3' (a JSON object
+    with "name" in `<tool_call>`), None when it writes neither (no tool calls, or another family's)."""
+    if "<tool_call>" not in template:
+        return None
+    if "<function=" in template:
+        return "qwen3_5"
+    if '{"name": ' in template:
+        return "qwen3"
     return None
 
 
