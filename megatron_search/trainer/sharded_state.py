@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed import checkpoint as dcp
 
@@ -51,20 +52,33 @@ def _optim_metadata() -> dict:
 
 
 def _prime_fresh_distributed_optimizer(optimizer) -> None:
-    """Give a never-stepped DistributedOptimizer zero-filled Adam state before a load or a save.
+    """Give a never-stepped DistributedOptimizer the Adam state its first step would create, before a load or
+    a save, so a checkpoint written before any step has the same keys as any other (GRPO: a run whose every
+    step was skipped, no group with signal, saves and resumes as if fresh; a load overwrites the values).
 
-    Without Transformer Engine / Apex its state_dict() reads every parameter's torch-Adam "step",
-    which does not exist before the first step (Megatron asserts on the empty set). Zero moments at
-    step 0 are exactly what torch's Adam creates at its first step, so a run whose every step was
-    skipped (GRPO: no group with signal) saves, and resumes, as if fresh; a load overwrites them.
+    Each inner optimizer gets its own kind of state. Transformer Engine's FusedAdam: its `initialize_state`
+    (zero moments, plus the master copy when it keeps one); it keeps "step" in the param group, and its
+    `state_dict()` maps every state key through `name_to_dtype_map` (exp_avg, exp_avg_sq, master_param), so
+    a "step" entry would raise KeyError. torch's Adam / AdamW: zero moments and a per-parameter "step" tensor,
+    which Megatron's state_dict reads without TE / Apex (it asserts on the empty set otherwise). Megatron's
+    CPU-offload optimizer builds its own state on load (`dummy_step`) and is left alone.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
+        if not isinstance(opt, DistributedOptimizer) or isinstance(opt.optimizer, HybridDeviceOptimizer):
             continue
         inner = opt.optimizer
+        te_style = callable(getattr(inner, "initialize_state", None)) and hasattr(inner, "name_to_dtype_map")
+        torch_adam = isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+        if not (te_style or torch_adam):
+            continue
         for group in inner.param_groups:
             for p in group["params"]:
-                if len(inner.state[p]) == 0:
+                if len(inner.state[p]):
+                    continue
+                if te_style:
+                    inner.initialize_state(p, bool(getattr(inner, "store_param_remainders", False))
+                                           and p.dtype == torch.bfloat16)
+                else:
                     inner.state[p].update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
                                           step=torch.zeros((), dtype=torch.float32))
 
