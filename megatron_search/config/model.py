@@ -248,6 +248,10 @@ class ParallelConfig(Section):
     )
     distributed_optimizer: bool = True
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
+    phase_timeout_s: float = Field(
+        6 * 3600.0, gt=0, description="timeout of the host (gloo) group over every rank that carries GRPO's phase "
+        "hand-offs: the other ranks wait on it, off the GPU, while rank 0 rolls out, scores and evaluates (an NCCL "
+        "collective would hold a GPU kernel and trip its watchdog after 600 s); longer than any rollout phase")
 
     @property
     def sequence_multiple(self) -> int:

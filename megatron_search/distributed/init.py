@@ -46,6 +46,7 @@ class DistContext:
     dp_rank: int
     dp_size: int
     env: DistEnv
+    host_group: Any = None  # gloo over every rank, long timeout: phase hand-offs (None alone)
     _owns_process_group: bool = field(default=True, repr=False)
 
     @property
@@ -97,7 +98,7 @@ def _init_process_group(env: DistEnv, backend: str, timeout_s: float) -> bool:
     return True
 
 
-def share_engine_key(name: str) -> None:
+def share_engine_key(name: str, group=None) -> None:
     """Rank 0's engine API key ($name, generated there when unset: rollout/auth.job_key) into $name on every rank,
     and clients built without a key read $name. The driver (rank 0) starts local engines with it; every rank
     pushes weights to them. A job script that exported the key gives every rank the same one anyway."""
@@ -109,11 +110,27 @@ def share_engine_key(name: str) -> None:
     else:
         msg = [None, None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(msg, src=0)  # an object collective: pickled, placed on the group's device
+        dist.broadcast_object_list(msg, src=0, group=group)  # an object collective: pickled, on the group's device
     if msg[0] == "error":
         raise EngineKeyError(f"rank 0: {msg[1]}")
     os.environ[name] = msg[1]
     use_key_env(name)
+
+
+_HOST_GROUP = None
+
+
+def host_group():
+    """The host (gloo) group over every rank with parallel.phase_timeout_s (None without one: a lone process)."""
+    return _HOST_GROUP
+
+
+def _new_host_group(world_size: int, timeout_s: float):
+    """A gloo group over all ranks whose collectives wait on the host with a long timeout: what a rank blocks on
+    while another works alone (rank 0's rollouts), instead of an NCCL kernel under its 600 s watchdog."""
+    global _HOST_GROUP
+    _HOST_GROUP = None if world_size == 1 else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _HOST_GROUP
 
 
 def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0,
@@ -138,7 +155,8 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0,
         enable_cpu_compat()
         device = torch.device("cpu")
     owns = _init_process_group(env, backend, timeout_s)
-    share_engine_key(cfg.rollout.api_key_env)
+    host = _new_host_group(env.world_size, cfg.parallel.phase_timeout_s)
+    share_engine_key(cfg.rollout.api_key_env, host)
     p = cfg.parallel
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -164,5 +182,6 @@ def init_distributed(cfg, env: DistEnv | None = None, timeout_s: float = 600.0,
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         env=env,
+        host_group=host,
         _owns_process_group=owns,
     )

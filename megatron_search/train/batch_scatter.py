@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.init import host_group
 from megatron_search.distributed.stages import rank_in, size_of
 
 from .rollout_batch import RolloutBatch
@@ -62,7 +63,7 @@ class BatchScatter:
         """Driver passes the whole batch (or None: no signal), others None; returns this rank's slice and, on
         the driver, the bytes of the whole batch and the most any rank received."""
         box = [batch is not None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=host_group())  # the others wait off the GPU while it packs
         if not box[0]:
             return None, {}
         local = None

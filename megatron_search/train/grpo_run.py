@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.init import host_group
 from megatron_search.distributed.stages import size_of
 from megatron_search.models.routing_replay import moe_routers
 from megatron_search.rewards.batch import RewardBreakdown, RolloutScores, compute_rewards_from_config, reward_generator
@@ -73,6 +75,7 @@ class GRPORun:
         self.dp = size_of(ctx.groups.dp)
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.stop = StopRequest()
+        self.stopping = False  # a stop signal on any rank, agreed by finished()
         self.driver = self.sampler = None
         self.capacity_error: Optional[str] = None  # driver: this step lost more than rollout.health allows
         self._sampler_at_step_start: dict = {}
@@ -116,7 +119,10 @@ class GRPORun:
 
     # ------------------------------------------------------------------ every rank
     def finished(self) -> bool:
-        return self.trainer.iteration >= self.cfg.grpo.steps or self.stop.requested
+        """The last step done, or a stop signal on any rank (agreed: ranks see a signal at different moments, and
+        one rank saving while another starts a step would mismatch their collectives)."""
+        self.stopping = _any_rank(self.stop.requested)
+        return self.trainer.iteration >= self.cfg.grpo.steps or self.stopping
 
     def begin_step(self) -> int:
         """The step about to run (the trainer's iteration); colocated: the trainer leaves, the engines generate."""
@@ -234,10 +240,10 @@ class GRPORun:
     def finish(self) -> None:
         """The trainer's state back on its device; on a stop signal, a checkpoint of where the run stopped."""
         self.colocate.ensure_resident()
-        if self.stop.requested:
+        if self.stopping:  # agreed in finished(): every rank saves, whichever got the signal
             self.trainer.save(extra=_broadcast(self._driver_state()))
             if self.is_driver:
-                print(f"grpo: signal {self.stop.signum}: checkpoint saved at step {self.trainer.iteration}", flush=True)
+                print(f"grpo: stop signal: checkpoint saved at step {self.trainer.iteration}", flush=True)
 
     def close(self) -> None:
         try:
@@ -373,7 +379,17 @@ def _signal_groups(adv: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _broadcast(obj, src: int = 0):
+    """`obj` from rank `src` on every rank, over the host group: the other ranks wait here, off the GPU, while
+    the driver works alone (rollouts, rewards, evaluation)."""
     box = [obj]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=host_group())
     return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any (a MAX over the host group)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        coll.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
+    return bool(t.item())
