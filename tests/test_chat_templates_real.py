@@ -150,8 +150,10 @@ def test_the_template_in_the_model_directory_sets_the_chat_style(model_dirs, tmp
     shutil.copytree(model_dirs["qwen3.jinja"], qwen3)
     shutil.copy(repo / "configs" / "models" / "tiny_qwen3_moe" / "config.json", qwen3 / "config.json")
     assert load_config(None, [f"model.path={qwen3}", "model.hf_config="]).model.chat_style == "qwen3"
-    # a Qwen3-MoE config beside a Qwen3.5 template: the template is what the model was trained on; refused
+    # a qwen3_moe whose template writes XML calls (as Qwen3-Coder's does): the template is what the model was
+    # trained on, so it sets the style, and the model_type's JSON style is refused
     (qwen3 / "tokenizer_config.json").unlink()
     shutil.copy(TEMPLATES / "qwen3_5.jinja", qwen3 / "chat_template.jinja")
-    with pytest.raises(ConfigError, match=r"model.chat_style: .*chat template .* writes tool calls as 'qwen3_5'"):
-        load_config(None, [f"model.path={qwen3}", "model.hf_config="])
+    assert load_config(None, [f"model.path={qwen3}", "model.hf_config="]).model.chat_style == "qwen3_5"
+    with pytest.raises(ConfigError, match=r"model.chat_style: 'qwen3' .*chat template .* writes tool calls as 'qwen3_5'"):
+        load_config(None, [f"model.path={qwen3}", "model.hf_config=", "model.chat_style=qwen3"])

@@ -309,3 +309,62 @@ def test_a_qwen3_5_export_keeps_the_processor_and_tokenizer_files(tmp_path):
     a = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).state_dict()
     b = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_a_qwen3_5_run_checkpoint_converts_to_the_whole_model(tmp_path):
+    """SFT from a tiny Qwen3.5 HF directory (the multimodal class: vision tower included), then `convert
+    mcore-to-hf` of the run: the trained language model plus the vision tower the trainer never held (taken from
+    model.path), loadable as the full model. The run's config.yaml is made to claim a TP=2, sequence-parallel,
+    PP=2 x VPP=2 layout: the conversion runs at its own layout (TP=1) whatever the run used."""
+    import yaml
+    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
+
+    from megatron_search.config import load_config
+    from megatron_search.train.sft import run_sft
+    from megatron_search.weights.convert import convert
+    from megatron_search.weights.hf_source import HFTensorSource
+
+    src = tmp_path / "q35"
+    torch.manual_seed(5)
+    tiny = REPO / "configs" / "models" / "tiny_qwen3_5_moe"
+    Qwen3_5MoeForConditionalGeneration(AutoConfig.from_pretrained(str(tiny))).float().save_pretrained(str(src))
+    train_tokenizer(src)
+    data = write_dataset(tmp_path / "data.jsonl", range(4))
+    cfg = load_config(str(REPO / "configs" / "tiny_qwen3_5_cpu.yaml"), [
+        f"model.path={src}", "model.hf_config=", "model.init=pretrained", f"sft.datasets={{{data}: 1.0}}",
+        "sft.seq_length=768", "sft.global_batch_size=2", "sft.micro_batch_size=2", "sft.steps=1", "optim.lr=1e-2",
+        f"run.output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.progress_bars=false",
+        "parallel.world_size=1"], stage="sft")
+    step = Path(run_sft(cfg)["checkpoint"])
+    saved = yaml.safe_load((step / "config.yaml").read_text())
+    saved["parallel"].update(tp=2, etp=2, sequence_parallel=True, pp=2, vpp=2, world_size=4)
+    (step / "config.yaml").write_text(yaml.safe_dump(saved))
+    out = tmp_path / "hf"
+    convert("mcore_to_hf", tmp_path / "ckpt", out, progress=False)
+    before, after = HFTensorSource.from_dir(src), HFTensorSource.from_dir(out)
+    assert after.names() == before.names()
+    visual = sorted(n for n in before.names() if n.startswith("model.visual."))
+    assert visual and all(torch.equal(after.get(n), before.get(n)) for n in visual)
+    language = [n for n in before.names() if n.startswith("model.language_model.")]
+    assert any(not torch.equal(after.get(n), before.get(n)) for n in language)  # SFT moved them
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
+    assert not any(model[1].values()), model[1]  # nothing missing, unexpected or mismatched
+
+
+@pytest.mark.e2e
+def test_a_requeueable_run_starts_from_another_runs_checkpoint_as_model_path(hf_dir, tmp_path):
+    """model.path = an SFT run's checkpoint, checkpoint.resume=true and no checkpoint of its own yet: the first
+    start loads that run's model only (its step-1 loss is transformers' loss on the run's export), not an error."""
+    from megatron_search.train.sft import run_sft
+    from megatron_search.weights.convert import convert
+
+    first = run_sft(_sft_cfg(tmp_path / "a", [f"model.path={hf_dir}", "model.hf_config=", "model.init=pretrained"]))
+    exported = tmp_path / "a_hf"
+    convert("mcore_to_hf", first["checkpoint"], exported, progress=False)
+    cfg = _sft_cfg(tmp_path / "b", [f"model.path={tmp_path / 'a' / 'ckpt'}", f"model.hf_config={hf_dir}",
+                                    f"model.tokenizer={hf_dir / 'tokenizer.json'}", "model.init=pretrained",
+                                    "checkpoint.resume=true"])
+    expected = _tokens_loss(exported, _first_batch(cfg))
+    assert run_sft(cfg)["losses"][0] == pytest.approx(expected, rel=1e-4)

@@ -43,9 +43,9 @@ class ModelConfig(Section):
         None, description="overrides model.path's tokenizer.json: a tokenizer.json path (or a directory holding one), "
         "or 'qwen' = the real Qwen2/3 BPE shipped in qwen-agent. Unset and no model.path: 'qwen'")
     chat_style: Optional[Literal["qwen3", "qwen3_5"]] = Field(
-        None, description="tool-call syntax of the chat format (qwen3: JSON, qwen3_5: XML); unset: the model_type's "
-        "own (qwen3_moe -> qwen3, qwen3_5_moe -> qwen3_5), which model.path's chat template must agree with; another "
-        "than the model's is an error")
+        None, description="tool-call syntax of the chat format (qwen3: JSON, qwen3_5: XML); unset: what model.path's "
+        "chat template writes, else the model_type's (qwen3_moe -> qwen3, qwen3_5_moe -> qwen3_5); another than the "
+        "model's is an error")
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
         "auto", description="auto: Transformer Engine specs when TE is importable, local otherwise"
@@ -109,21 +109,19 @@ class ModelConfig(Section):
                                  "model's tokenizer.json")
             data["tokenizer"] = str(hf_side / "tokenizer.json") if hf_side is not None else "qwen"
         model_type = _model_type(resolve_repo_path(data["hf_config"]))
-        own_style = CHAT_STYLE_OF.get(model_type)
         template = chat_template_of(hf_side) if hf_side is not None else None
         template_style = chat_style_of_template(template[1]) if template else None
-        if template_style is not None and own_style is not None and template_style != own_style:
-            raise ValueError(f"model.chat_style: the chat template {template[0]} writes tool calls as "
-                             f"{template_style!r}, but {data['hf_config']} is model_type {model_type!r} (whose "
-                             f"format is {own_style!r}); model.path mixes two models' files")
-        own_style = own_style or template_style
+        # the model's own format: what its chat template writes (Qwen3-Coder is a qwen3_moe that calls tools in
+        # XML), else its model_type's
+        own_style = template_style or CHAT_STYLE_OF.get(model_type)
+        why = (f"the chat template {template[0]} writes tool calls as {own_style!r}" if template_style else
+               f"{data['hf_config']} is model_type {model_type!r}, which calls tools in {own_style!r}")
         style = data.get("chat_style")
         if style is None:
             data["chat_style"] = own_style or "qwen3"
         elif own_style is not None and style != own_style:
-            raise ValueError(f"model.chat_style: {style!r} is not the chat format of {data['hf_config']} (model_type "
-                             f"{model_type!r} calls tools in {own_style!r}); drop model.chat_style or set it to "
-                             f"{own_style!r}")
+            raise ValueError(f"model.chat_style: {style!r} is not the chat format of the model ({why}); drop "
+                             f"model.chat_style or set it to {own_style!r}")
         return data
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.vllm.client import VLLMClient
-from megatron_search.weights.checkpoint import copy_side_files
+from megatron_search.weights.checkpoint import copy_side_files, write_passthrough
 from megatron_search.weights.delivery import WeightSync
 from megatron_search.weights.export import export_hf_weights
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
@@ -95,6 +95,7 @@ def save_hf_weights(model_chunks, cfg, groups, out_dir: Path, bucket_bytes: int)
         for name, t in bucket:
             writer.add(name, t)
     if rank0:
+        write_passthrough(writer, cfg)  # the vision tower (and mtp.*) the trainer does not hold, from model.path
         writer.close()
         copy_side_files(cfg.model.engine_dir(), tmp)  # config, tokenizer, chat template, processor files
         hf_config = cfg.model.resolved_hf_config()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_search.config.model import resolve_repo_path, weights_format
+from megatron_search.distributed.init import host_group
 from megatron_search.trainer.init_weights import load_model_weights
 from megatron_search.weights.checkpoint import load_mcore_into
 from megatron_search.weights.hf_source import HFTensorSource
@@ -30,7 +31,10 @@ def load_initial_weights(trainer, cfg, groups) -> Optional[str]:
         load_mcore_into(cfg, trainer.model, path)
         note = f"Megatron checkpoint {path}"
     elif kind == "hf":
-        load_hf_into_model(trainer.model, cfg.model.architecture, HFTensorSource.from_dir(path), groups)
+        # the ranks agree on errors and unused tensors over the host group: one rank's reads may take far
+        # longer than another's (NCCL's 600 s watchdog would end the fast ones)
+        load_hf_into_model(trainer.model, cfg.model.architecture, HFTensorSource.from_dir(path), groups,
+                           world_group=host_group())
         note = f"HF checkpoint {path}"
     else:
         raise ValueError(f"{source}: holds no weights (no *.safetensors, no Megatron checkpoint: metadata.json, "

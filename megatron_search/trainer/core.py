@@ -174,8 +174,9 @@ class Trainer:
             return {}
         own = latest_checkpoint(self.root) if self.root.is_dir() else None
         start = self.cfg.initial_weights_source()
-        if own is None and start is not None and weights_format(resolve_repo_path(start)) != "run":
-            return {}  # a first start from pretrained weights (an HF directory or a converted checkpoint)
+        continue_load = bool(ck.load) and weights_format(resolve_repo_path(ck.load)) == "run"
+        if own is None and start is not None and not continue_load:
+            return {}  # a first start from model.path's weights (HF, converted, or another run's: the model only)
         source = self.root if own is not None or not ck.load else Path(ck.load)
         path = own or (source if (source / "trainer.json").is_file() else latest_checkpoint(source))
         if path is None:

@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from megatron_search.config.hf import architecture_from_hf, load_hf_config
+from megatron_search.config.model import weights_format
 from megatron_search.distributed import collectives as coll
 from megatron_search.models.hf_mapping import Mapping
 from megatron_search.models.provider import build_model_chunks
@@ -164,15 +165,7 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
         _barrier()
         return None
     extra = ckpt_dir / EXTRA_DIR
-    carried = extra / "passthrough"
-    if carried.is_dir():
-        src = HFTensorSource.from_dir(carried)
-        keep = Mapping(cfg.model.architecture, mtp=cfg.model.mtp)
-        for n in sorted(src.names()):
-            if not keep.is_passthrough(n):  # e.g. mtp.* carried at conversion, now exported from the model
-                continue
-            writer.add(n, src.get(n))
-            count += 1
+    count += write_passthrough(writer, cfg, extra / "passthrough")
     files = writer.close()
     copy_side_files(extra, out_dir)
     # a training checkpoint carries no hf_extra: the model's own HF files (model.path's, else model.hf_config's)
@@ -183,6 +176,25 @@ def mcore_to_hf(cfg, ckpt_dir: str | Path, out_dir: str | Path, groups, *, bucke
         shutil.copy2(hf_config, out_dir / "config.json")
     _barrier()
     return {"tensors": count, "bytes": writer.total_bytes, "files": files}
+
+
+def write_passthrough(writer: ShardedSafetensorsWriter, cfg, carried: Optional[Path] = None) -> int:
+    """Rank 0: add the HF tensors Megatron does not hold (Qwen3.5's vision tower; mtp.* unless model.mtp) to an
+    export, so it is the whole model (transformers would draw them at random, vLLM refuses a checkpoint without
+    them). From a convert output's hf_extra/passthrough (`carried`), else from model.path's own weights (a
+    training run's checkpoint keeps none). Returns how many were written."""
+    if carried is None or not carried.is_dir():
+        path = cfg.model.resolved_path()
+        kind = weights_format(path) if path is not None else None
+        carried = path if kind == "hf" else path / EXTRA_DIR / "passthrough" if kind == "mcore" else None
+        if carried is None or not carried.is_dir() or not any(carried.glob("*.safetensors")):
+            return 0
+    source = HFTensorSource.from_dir(carried)
+    keep = Mapping(cfg.model.architecture, mtp=cfg.model.mtp)
+    names = sorted(n for n in source.names() if keep.is_passthrough(n))  # mtp.* is the model's own with model.mtp
+    for name in names:
+        writer.add(name, source.get(name))
+    return len(names)
 
 
 def read_json(path: Path) -> dict:

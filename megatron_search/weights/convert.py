@@ -28,11 +28,12 @@ def world_size_for(tp: int, pp: int, ep: int, etp: int) -> int:
 
 
 def _overrides(hf_config: str, tp: int, pp: int, ep: int, etp: int, extra: Sequence[str]) -> list[str]:
-    out = [f"model.hf_config={hf_config}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}",
-           f"parallel.etp={etp}", f"parallel.world_size={world_size_for(tp, pp, ep, etp)}"]
-    if tp > 1:
-        out.append("parallel.sequence_parallel=true")  # Megatron MoE with TP needs sequence parallel
-    return out + list(extra)
+    # Every layout field is set: a training run's config.yaml (the source of a run checkpoint's conversion) has
+    # its own, e.g. sequence parallel (Megatron refuses it at TP=1) or virtual stages (refused at PP=1).
+    return [f"model.hf_config={hf_config}", f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}",
+            f"parallel.etp={etp}", f"parallel.world_size={world_size_for(tp, pp, ep, etp)}", "parallel.cp=1",
+            f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",  # Megatron MoE with TP needs it
+            "parallel.vpp=null", *extra]
 
 
 def _rank_main(direction: str, config: Optional[str], overrides: list[str], src: str, dst: str, opts: dict):
@@ -59,7 +60,8 @@ def run_checkpoint_step(src: Path) -> Optional[Path]:
     pointer = src / "latest"
     if pointer.is_file() and (src / pointer.read_text().strip() / "trainer.json").is_file():
         return src / pointer.read_text().strip()
-    return None
+    steps = sorted(p for p in src.glob("step_*") if (p / "trainer.json").is_file() and ".tmp-" not in p.name)
+    return steps[-1] if steps else None  # step_%08d: the newest complete one
 
 
 def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optional[str] = None,
