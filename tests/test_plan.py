@@ -160,3 +160,39 @@ def test_colocated_phases_count_what_stays_resident():
                                   ["parallel.world_size=null", "rollout.sglang.mem_fraction_static=0.97"]))
     assert not tight.fits
     assert any("colocated phase 'rollout'" in p for p in tight.problems), tight.problems
+
+
+def test_checkpoint_cost_at_the_397b_layout_by_hand():
+    """5.55 TB per save: every parameter once in bf16 (2 B) + fp32 master, m and v (12 B). fully_reshardable:
+    each of the DP=32 ranks of a dense DP group reads the group's whole dense state, each of the 2 ranks of an
+    expert-DP group (TP 2 x DP 32 / EP 32) the experts', and every rank gathers its shard's 12 B per parameter
+    in host memory. Bandwidth: 32 nodes x 10 GB/s capped at the filesystem's 100 GB/s."""
+    from megatron_search.plan.params import count_params
+
+    cfg = load_config(BIG)
+    counts = count_params(cfg.model.architecture)
+    experts = counts.experts_per_layer * cfg.model.architecture.num_layers
+    total = counts.total
+    dp = load_config(BIG).cluster.nodes * 8 // (2 * 4)
+    assert dp == 32
+    est = make_plan(cfg, "grpo").checkpoint
+    assert est.optimizer_format == "dp_reshardable"
+    assert est.bytes_written == pytest.approx(total * 14, rel=1e-12) and est.bytes_read == est.bytes_written
+    assert est.save_s == pytest.approx(total * 14 / 100e9, rel=1e-12)
+    assert est.host_bytes_per_rank == pytest.approx(2 * counts.embedding / 2 * 4)  # 2 threads x fp32 shard
+    full = make_plan(load_config(BIG, ["checkpoint.optimizer_format=fully_reshardable"]), "grpo").checkpoint
+    want = total * 2 + 12 * ((total - experts) * 32 + experts * 2)
+    assert full.bytes_read == pytest.approx(want, rel=1e-12) and 13.5e12 < full.bytes_read < 14.2e12
+    assert full.host_bytes_per_rank == pytest.approx(12 * max(s.params for s in make_plan(cfg, "grpo").stages))
+    slow = make_plan(load_config(BIG, ["cluster.storage_gb_per_s=10"]), "grpo")
+    assert any(p.startswith("checkpoint: a save takes about 555 s") for p in slow.problems), slow.problems
+
+
+def test_the_slurm_scripts_give_the_preemption_notice_the_planner_assumes():
+    import re
+    from pathlib import Path
+
+    notice = load_config(None).cluster.preemption_notice_s
+    for script in sorted(Path("slurm").glob("*_[0-9]*b.sh")):
+        (got,) = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)$", script.read_text(), re.M)
+        assert float(got) == notice, script

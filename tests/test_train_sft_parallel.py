@@ -1,7 +1,8 @@
 """SFT on 2 gloo processes: TP=2 with sequence parallel, EP=2 and PP=2 (1F1B), 2 steps each through
 `run_sft` (Megatron DDP, optimizer, distributed checkpoint of the sharded state at the end).
-Also: an EP=2 run resumed at EP=2 (bitwise), a TP=2 checkpoint resumed at PP=2 (resharded), and
-an EP=2 checkpoint refused at EP=1. One spawn runs every case in turn on one process group."""
+Also: an EP=2 run resumed at EP=2 (bitwise), a TP=2 checkpoint (fully_reshardable) resumed at PP=2
+(resharded), a PP=2 checkpoint in the default dp_reshardable format refused at TP=2, and an EP=2 checkpoint
+refused at EP=1. One spawn runs every case in turn on one process group."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,10 @@ from _sft_helpers import sft_config, train_tokenizer, write_dataset
 pytestmark = pytest.mark.multiprocess
 
 LAYOUTS = {
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4", "checkpoint.save_interval=2"],
+    # fully_reshardable: the format a checkpoint that changes layout is saved in (the default, dp_reshardable,
+    # resumes at its own layout only)
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4", "checkpoint.save_interval=2",
+               "checkpoint.optimizer_format=fully_reshardable"],
     "ep2": ["parallel.ep=2", "sft.steps=4", "checkpoint.save_interval=2"],
     "pp2": ["parallel.pp=2"],
 }
@@ -61,6 +65,16 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         results["ep2_to_pp2_error"] = None
     except CheckpointError as e:
         results["ep2_to_pp2_error"] = str(e)
+    # the default format keeps each DP rank's shard as it lies: another TP/PP layout is refused, naming the fix
+    dp_only = sft_config(root / "tp2_from_pp2", data, ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4",
+                                                      "checkpoint.resume=true",
+                                                      f"checkpoint.load={root / 'pp2' / 'ckpt' / 'step_00000002'}"],
+                         world=world)
+    try:
+        run_sft(dp_only, env=env)
+        results["pp2_to_tp2_error"] = None
+    except CheckpointError as e:
+        results["pp2_to_tp2_error"] = str(e)
     (root / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -71,7 +85,7 @@ def results(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sft_parallel")
     write_dataset(root / "data.jsonl", range(6))
-    for name in [*LAYOUTS, "pp2_from_tp2", "pp2_from_ep2", "ep2_resumed"]:
+    for name in [*LAYOUTS, "pp2_from_tp2", "pp2_from_ep2", "ep2_resumed", "tp2_from_pp2"]:
         (root / name).mkdir()
         train_tokenizer(root / name)
     run_spawned(_worker, 2, str(root), timeout_s=300)
@@ -116,9 +130,16 @@ def test_optimizer_split_mismatch_is_a_clear_error(results):
         assert r["ep2_to_pp2_error"] is not None and "EP > 1 on both sides" in r["ep2_to_pp2_error"]
 
 
+def test_a_dp_reshardable_checkpoint_at_another_layout_is_refused(results):
+    for r in results[1]:
+        error = r["pp2_to_tp2_error"]
+        assert error is not None and "dp_reshardable" in error and "tp 1 -> 2" in error and "pp 2 -> 1" in error, error
+        assert "checkpoint.optimizer_format=fully_reshardable" in error
+
+
 def test_same_layout_resume_on_two_processes_is_bitwise(results):
-    """EP=2 x DP=2: the distributed optimizer's state is gathered across DP ranks when saved and
-    scattered back when loaded; steps 3-4 after the resume equal the uninterrupted run exactly."""
+    """EP=2 x DP=2, saved dp_reshardable (the default): each DP rank writes and reads its own shard of the
+    distributed optimizer; steps 3-4 after the resume equal the uninterrupted run exactly."""
     for r in results[1]:
         assert r["ep2_resumed"]["losses"] == r["ep2"]["losses"][2:]
         assert r["ep2_resumed"]["grad_norms"] == r["ep2"]["grad_norms"][2:]

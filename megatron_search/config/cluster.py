@@ -18,6 +18,15 @@ class ClusterConfig(Section):
         "the planner's weight-sync estimate gives each GPU an equal share")
     nvlink_gb_per_s: PositiveFloat = Field(
         450.0, description="NVLink bandwidth per GPU and direction, GB/s (H100/H200: 900 GB/s both ways)")
+    storage_node_gb_per_s: PositiveFloat = Field(
+        10.0, description="what one node writes to (or reads from) the shared filesystem, GB/s (an assumption: "
+        "measure yours); the planner's checkpoint save and resume times")
+    storage_gb_per_s: PositiveFloat = Field(
+        100.0, description="the shared filesystem's aggregate bandwidth, GB/s (an assumption), the cap on all "
+        "nodes together")
+    preemption_notice_s: PositiveFloat = Field(
+        300.0, description="seconds between Slurm's preemption signal and the kill (`#SBATCH --signal=B:USR1@300` "
+        "in slurm/*.sh): the step in flight and a checkpoint must fit in it")
     memory_headroom_gib: float = Field(
         6.0, ge=0.0, description="per-GPU reserve for the CUDA context, NCCL buffers and fragmentation"
     )

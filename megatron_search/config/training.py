@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from .base import Section
 
@@ -19,7 +19,18 @@ class OptimConfig(Section):
     adam_eps: PositiveFloat = 1e-8
     clip_grad: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 disables")
     main_grads_fp32: bool = Field(True, description="accumulate and all-reduce gradients in fp32")
-    cpu_offload: bool = Field(False, description="keep optimizer state (fp32 master + Adam moments) on the host")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_cpu_offload(cls, data):
+        if not isinstance(data, dict) or "cpu_offload" not in data:
+            return data
+        data = dict(data)
+        if data.pop("cpu_offload"):  # `false` (what configs saved before the field went say) is dropped
+            raise ValueError("optim.cpu_offload is gone: it only changed the planner (the optimizer state stayed on "
+                             "the GPU, so a plan that fit with it ran out of memory); fit the optimizer with more "
+                             "EP / PP, the distributed optimizer, or recompute")
+        return data
 
 
 class SkillCheckConfig(Section):
@@ -61,6 +72,18 @@ class CheckpointConfig(Section):
     resume: bool = False
     load: Optional[str] = Field(None, description="checkpoint to start from (weights only unless resume; with resume, "
                                 "used only when the run has no checkpoint of its own yet)")
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable"] = Field(
+        "dp_reshardable", description="how the distributed optimizer's state is written (Megatron's sharding types). "
+        "dp_reshardable: each rank writes its own shard as it lies, no gather, no extra host memory (Megatron-LM's "
+        "choice at scale); it resumes at the same TP/PP/VPP/EP/ETP layout (DP may change). fully_reshardable: "
+        "gathered per parameter over each DP group (host memory for the DP group's state on every rank), resumes at "
+        "any layout: the conversion step before a layout change (resume once at the old layout with it and save)")
+    fully_parallel: bool = Field(
+        True, description="spread the writing and reading of replicated tensors over the data-parallel ranks "
+        "(Megatron's FullyParallelSave/LoadStrategyWrapper) instead of the first replica writing all of them; reads "
+        "are spread on GPU only (Megatron's exchange of loaded tensors allocates on CUDA)")
+    write_threads: int = Field(2, ge=1, description="writer threads per rank (torch.distributed.checkpoint's "
+                               "FileSystemWriter thread_count; Megatron-LM's default is 2)")
 
 
 class LoggingConfig(Section):

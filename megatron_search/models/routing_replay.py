@@ -58,7 +58,7 @@ def _local_tokens(experts_BSK: torch.Tensor, tp_rank: int, tp_size: int, sequenc
     """
     experts_BSK = experts_BSK.to(torch.int64)
     pad = (experts_BSK < 0).any(-1, keepdim=True)
-    filler = torch.arange(experts_BSK.shape[-1], dtype=torch.int64).expand_as(experts_BSK)
+    filler = torch.arange(experts_BSK.shape[-1], dtype=torch.int64, device=experts_BSK.device).expand_as(experts_BSK)
     experts_BSK = torch.where(pad, filler, experts_BSK)
     s_major = experts_BSK.transpose(0, 1)  # [S, B, K]
     if sequence_parallel and tp_size > 1:

@@ -6,7 +6,7 @@ Model (documented in docs/PLANNER.md, checked against FACTS.md's published layou
 - gradients: 4 bytes per parameter when main_grads_fp32, else the param bytes;
 - optimizer: fp32 master weights + Adam m and v = 12 bytes per parameter, divided by the
   distributed-optimizer shard group: DP x CP for dense weights, the expert data-parallel group
-  (TP x CP x DP) / (EP x ETP) for routed experts; zero on GPU with cpu_offload;
+  (TP x CP x DP) / (EP x ETP) for routed experts;
 - activations: the bf16 tensors autograd keeps per layer (sequence parallel shards them by TP), times
   the layers a pipeline stage keeps in flight under 1F1B (all L layers' worth on the first stage,
   x (1 + (PP-1)/(PP x VPP)) when interleaved); full recompute keeps only each layer's input plus one
@@ -99,6 +99,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     sync: object | None = None  # plan.weight_sync.SyncReport (GRPO)
     phases: list[PhaseMemory] = field(default_factory=list)  # colocated GRPO, on the peak stage's GPU
+    checkpoint: object | None = None  # plan.checkpoint.CheckpointEstimate
 
     @property
     def fits(self) -> bool:
@@ -156,7 +157,7 @@ def training_memory(cfg: Config, stage_kind: str, dp: int, counts: ParamCounts) 
             dense += (counts.output_layer + counts.mtp) / p.tp + counts.final_norm
         experts = counts.experts_per_layer * len(layers) / (p.ep * p.etp)
         params = dense + experts
-        opt = 0.0 if o.cpu_offload else ADAM_STATE_BYTES * (dense / dense_shard + experts / expert_shard)
+        opt = ADAM_STATE_BYTES * (dense / dense_shard + experts / expert_shard)
         per_layer = [layer_activation_bytes(a, i, tokens, cfg.model.recompute) for i in layers]
         # Under 1F1B stage s keeps (PP - s) micro-batches in flight, each over its own layers.
         inflight = (p.pp - s) * interleave
@@ -213,12 +214,19 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
     if any(x.startswith(("parallel.pp", "model.")) for x in problems):
         return plan
     plan.stages = training_memory(cfg, stage_kind, dp, counts)
+    from .checkpoint import checkpoint_estimate  # start-up: plan/checkpoint.py imports this module (import cycle)
+
+    plan.checkpoint = checkpoint_estimate(cfg, plan)
+    if plan.checkpoint.save_s > c.preemption_notice_s:
+        problems.append(f"checkpoint: a save takes about {plan.checkpoint.save_s:.0f} s at the configured filesystem "
+                        f"bandwidth, more than the {c.preemption_notice_s:.0f} s of preemption notice "
+                        "(cluster.preemption_notice_s, the scripts' --signal); raise both, or save more often")
     usable = (c.gpu_mem_gib - c.memory_headroom_gib) * GIB
     peak = plan.peak_stage
     if peak.total > usable:
         problems.append(
             f"memory: training needs {peak.total / GIB:.1f} GiB on pipeline stage {peak.stage}, "
-            f"more than the {usable / GIB:.1f} GiB usable per GPU (raise PP/EP, recompute, or offload)"
+            f"more than the {usable / GIB:.1f} GiB usable per GPU (raise PP/EP, or recompute)"
         )
     if stage_kind == "grpo" and rollout_gpus:
         sg = cfg.rollout.sglang

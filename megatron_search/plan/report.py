@@ -26,6 +26,10 @@ def format_plan(plan: Plan, title: str) -> str:
         lines.append("colocated phases (GiB per GPU, each phase on its busiest stage): " + "; ".join(
             f"{p.phase} {p.total / GIB:.1f} (" + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.parts.items()) + ")"
             for p in plan.phases))
+    if plan.checkpoint is not None:
+        from .checkpoint import format_checkpoint  # start-up: as memory.py imports it (plan/checkpoint.py imports memory)
+
+        lines.append(format_checkpoint(plan.checkpoint))
     if plan.sync is not None:
         from .weight_sync import format_sync_report  # start-up: as in memory.py, only with a sync report
 

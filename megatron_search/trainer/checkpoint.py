@@ -87,6 +87,12 @@ def _agreed_nonce() -> str:
     return box[0]
 
 
+def _parallel_group(trainer):
+    """With checkpoint.fully_parallel, the DP x CP group that shares the replicated tensors' writes and reads."""
+    group = getattr(trainer.ctx.groups, "dp_cp", None) if trainer.cfg.checkpoint.fully_parallel else None
+    return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
+
+
 def _layout(trainer) -> dict:
     p = trainer.cfg.parallel
     return {"world_size": trainer.ctx.world_size, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "ep": p.ep,
@@ -101,7 +107,9 @@ def write_run_state(trainer, directory: Path, extra: dict) -> None:
         (directory / MODEL_OPTIM).mkdir(parents=True, exist_ok=True)
         (directory / RNG_DIR).mkdir(parents=True, exist_ok=True)
     _barrier()
-    save_sharded(trainer.model, trainer.optimizer, directory / MODEL_OPTIM)
+    ck = trainer.cfg.checkpoint
+    save_sharded(trainer.model, trainer.optimizer, directory / MODEL_OPTIM, optimizer_format=ck.optimizer_format,
+                 threads=ck.write_threads, parallel_group=_parallel_group(trainer))
     torch.save(capture_rng(), directory / RNG_DIR / f"rank_{rank:05d}.pt")
     if rank == 0:
         o = trainer.cfg.optim
@@ -115,6 +123,7 @@ def write_run_state(trainer, directory: Path, extra: dict) -> None:
             "layout": _layout(trainer),
             "num_chunks": len(trainer.model),
             "optimizer_parts": optimizer_parts(trainer.optimizer),
+            "optimizer_format": ck.optimizer_format,
             "extra": extra,
         }
         (directory / TRAINER_JSON).write_text(json.dumps(meta, indent=1))
@@ -157,7 +166,17 @@ def load_run(trainer, path: Path) -> dict:
             f"{path}: the optimizer was saved in {saved_parts} part(s) (dense / expert-parallel groups), this run "
             f"has {parts}: Megatron splits expert parameters into their own optimizer only when EP > 1, so resume "
             f"with EP > 1 on both sides or EP = 1 on both (saved layout {meta['layout']})")
-    load_sharded(trainer.model, trainer.optimizer, Path(path) / MODEL_OPTIM)
+    saved_format = meta.get("optimizer_format", "fully_reshardable")  # what checkpoints before the field were
+    moved = {k: (v, _layout(trainer)[k]) for k, v in meta["layout"].items()
+             if k != "world_size" and v != _layout(trainer)[k]}
+    if saved_format == "dp_reshardable" and moved:
+        raise CheckpointError(
+            f"{path}: the optimizer state was saved dp_reshardable, which loads only at the layout it was saved at "
+            f"(but for DP); this run changes {', '.join(f'{k} {a} -> {b}' for k, (a, b) in moved.items())}. Convert "
+            "first: resume it at its own layout with checkpoint.optimizer_format=fully_reshardable and save "
+            "(e.g. sft.steps / grpo.steps = its iteration + 1, checkpoint.save_interval=1), then resume here")
+    load_sharded(trainer.model, trainer.optimizer, Path(path) / MODEL_OPTIM, optimizer_format=saved_format,
+                 parallel_group=_parallel_group(trainer))
     trainer.iteration = int(meta["iteration"])
     trainer.consumed_tokens = int(meta["consumed_tokens"])
     rng_file = Path(path) / RNG_DIR / f"rank_{trainer.ctx.rank:05d}.pt"

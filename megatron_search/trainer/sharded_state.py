@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     _replace_state_dict_keys_with_sharded_keys,
@@ -39,16 +44,19 @@ _DIST_CKPT_MODULES = (
 )
 
 
-# Optimizer state in a layout-independent form: the distributed optimizer saves per-parameter
-# tensors instead of its DP-specific flat buffers, so any TP/PP/EP/DP layout can load it; chained
-# optimizers (dense + expert groups) keep their keys unprefixed, as Megatron's own newer checkpoints.
-# On CPU the gather behind that format must run over the gloo DP group (the default path moves
-# tensors with .cuda()), which Megatron calls the memory-efficient variant.
-OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# The distributed optimizer's state: "dp_reshardable" (each rank's shard as it lies, the default) or
+# "fully_reshardable" (per-parameter tensors, any layout loads them; checkpoint.optimizer_format). Chained
+# optimizers (dense + expert groups) keep their keys unprefixed, as Megatron's own newer checkpoints. On CPU
+# the gather behind fully_reshardable must run over the gloo DP group (the default path moves tensors with
+# .cuda()), which Megatron calls the memory-efficient variant.
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
-def _optim_metadata() -> dict:
-    return {**OPTIM_METADATA, "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
+def _optim_metadata(optimizer_format: str) -> dict:
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        raise ValueError(f"optimizer format {optimizer_format!r}: not one of {OPTIMIZER_FORMATS}")
+    return {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True,
+            "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
 
 
 def _prime_fresh_distributed_optimizer(optimizer) -> None:
@@ -86,9 +94,11 @@ def _prime_fresh_distributed_optimizer(optimizer) -> None:
 def _load_keeping_torch_adam_step(optimizer) -> None:
     """Let DistributedOptimizer.load_state_dict run with torch's Adam (no TE / Apex).
 
-    Its parameter-state loaders copy every key of the inner Adam state from the checkpoint but
-    deliberately leave out "step" (restored from the param groups just before), then fail on that
-    missing key. Per instance, "step" is set aside while each parameter's tensors are copied.
+    Its load_state_dict first restores torch Adam's per-parameter "step" from the saved param groups (the right
+    value), then its parameter-state loaders copy every key of the inner state: fully_reshardable leaves "step"
+    out of the tensors and fails on the missing key; dp_reshardable hands over a "step" that is not read from
+    the checkpoint (the never-stepped value of the freshly built optimizer). Per instance, "step" is set aside
+    while each parameter's tensors are copied, so the param groups' value stays.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if not isinstance(opt, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(opt):
@@ -98,9 +108,9 @@ def _load_keeping_torch_adam_step(optimizer) -> None:
         def set_states(model_param, tensors, opt=opt, original=original):
             group_index, group_order = opt.model_param_group_index_map[model_param]
             state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
-            step = state.pop("step", None) if "step" not in tensors else None
+            step = state.pop("step", None)
             try:
-                original(opt, model_param, tensors)
+                original(opt, model_param, {k: v for k, v in tensors.items() if k != "step"})
             finally:
                 if step is not None:
                     state["step"] = step
@@ -120,7 +130,7 @@ def _unshare_torch_adam_steps(optimizer) -> None:
                     st["step"] = st["step"].clone()
 
 
-def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
+def _sharded_state(model: list, optimizer, is_loading: bool, optimizer_format: str) -> dict:
     """{"model<i>": chunk sharded state, "optimizer": optimizer sharded state} (Megatron's layout)."""
     model_sd = {}
     for i, chunk in enumerate(model):
@@ -130,7 +140,8 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     for sd in model_sd.values():
         merged.update(sd)
     out = dict(model_sd)
-    out["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_optim_metadata())
+    out["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
+                                                    metadata=_optim_metadata(optimizer_format))
     return out
 
 
@@ -143,8 +154,9 @@ def _dist_ckpt():
     return dist_checkpointing
 
 
-def _save_strategy():
-    """Megatron's torch_dist format written synchronously in this process.
+def _save_strategy(threads: int, parallel_group=None):
+    """Megatron's torch_dist format written synchronously in this process, `threads` writer threads per rank;
+    with `parallel_group` (the DP group) the replicated tensors' writes are spread over its ranks.
 
     Megatron's default torch_dist saver hands the write to forked worker processes and a spawned
     multiprocessing Manager; on CPU under gloo those workers hung our saves, and extra processes
@@ -160,29 +172,41 @@ def _save_strategy():
         def save(self, sharded_state_dict, checkpoint_dir) -> None:
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state_dict = mcore_to_pyt_state_dict(flat, False)
-            dcp.save(pyt_state_dict, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+            dcp.save(pyt_state_dict, storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=threads),
                      planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
-    return SyncTorchDistSave("torch_dist", 1)
+    base = SyncTorchDistSave("torch_dist", 1)
+    return FullyParallelSaveStrategyWrapper(base, parallel_group) if parallel_group is not None else base
 
 
 def optimizer_parts(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def save_sharded(model: list, optimizer, directory: Path) -> None:
-    """Every rank: write the sharded model + optimizer state into `directory` (it must exist)."""
-    _dist_ckpt().save(_sharded_state(model, optimizer, is_loading=False), str(directory),
-                      sharded_strategy=_save_strategy())
+def save_sharded(model: list, optimizer, directory: Path, *, optimizer_format: str = "dp_reshardable",
+                 threads: int = 2, parallel_group=None) -> None:
+    """Every rank: write the sharded model + optimizer state into `directory` (it must exist); with
+    `parallel_group` (the DP x CP group) the replicated tensors' writes are spread over its ranks."""
+    _dist_ckpt().save(_sharded_state(model, optimizer, False, optimizer_format), str(directory),
+                      sharded_strategy=_save_strategy(threads, parallel_group))
 
 
-def load_sharded(model: list, optimizer, directory: Path) -> None:
-    """Every rank: load weights and optimizer state saved by `save_sharded` (any layout) in place."""
-    state = _dist_ckpt().load(_sharded_state(model, optimizer, is_loading=True), str(directory))
+def load_sharded(model: list, optimizer, directory: Path, *, optimizer_format: str = "dp_reshardable",
+                 parallel_group=None) -> None:
+    """Every rank: load weights and optimizer state saved by `save_sharded` in place (`optimizer_format`: the one it
+    was saved with; fully_reshardable loads at any layout, dp_reshardable at the saved one but for DP)."""
+    # Megatron's exchange of the loaded tensors allocates them on "cuda" (exchange_utils): spread on a GPU only
+    group = parallel_group if torch.cuda.is_available() else None
+    strategy = None
+    if group is not None:
+        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), group)
+    state = _dist_ckpt().load(_sharded_state(model, optimizer, True, optimizer_format), str(directory),
+                              sharded_strategy=strategy)
     for i, chunk in enumerate(model):
         chunk.load_state_dict(state[f"model{i}"])
     _load_keeping_torch_adam_step(optimizer)
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # dp_reshardable copies into the fp32 main parameters, leaves that require grad
+        optimizer.load_state_dict(state["optimizer"])
     _unshare_torch_adam_steps(optimizer)
 
 
