@@ -55,26 +55,21 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                      if torch.equal(b, p.detach())]
         results[name] = {"losses": summary["losses"], "grad_norms": summary["grad_norms"], "unchanged": unchanged,
                          "params": len(held["before"]), "checkpoint": summary["checkpoint"]}
-    # EP=2 keeps expert parameters in a separate optimizer; EP=1 does not: a clear error, not a bad load.
     from megatron_search.trainer.checkpoint import CheckpointError
 
-    bad = sft_config(root / "pp2_from_ep2", data, [*CROSS, f"checkpoint.load={root / 'ep2' / 'ckpt' / 'step_00000002'}"],
-                     world=world)
-    try:
-        run_sft(bad, env=env)
-        results["ep2_to_pp2_error"] = None
-    except CheckpointError as e:
-        results["ep2_to_pp2_error"] = str(e)
+    def refusal(name: str, overrides: list[str]):
+        try:
+            run_sft(sft_config(root / name, data, overrides, world=world), env=env)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    # EP=2 keeps expert parameters in a separate optimizer; EP=1 does not: a clear error, not a bad load.
+    results["ep2_to_pp2_error"] = refusal("pp2_from_ep2", [*CROSS, f"checkpoint.load={root / 'ep2' / 'ckpt' / 'step_00000002'}"])
     # the default format keeps each DP rank's shard as it lies: another TP/PP layout is refused, naming the fix
-    dp_only = sft_config(root / "tp2_from_pp2", data, ["parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4",
-                                                      "checkpoint.resume=true",
-                                                      f"checkpoint.load={root / 'pp2' / 'ckpt' / 'step_00000002'}"],
-                         world=world)
-    try:
-        run_sft(dp_only, env=env)
-        results["pp2_to_tp2_error"] = None
-    except CheckpointError as e:
-        results["pp2_to_tp2_error"] = str(e)
+    results["pp2_to_tp2_error"] = refusal("tp2_from_pp2", [
+        "parallel.tp=2", "parallel.sequence_parallel=true", "sft.steps=4", "checkpoint.resume=true",
+        f"checkpoint.load={root / 'pp2' / 'ckpt' / 'step_00000002'}"])
     (root / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
