@@ -26,8 +26,10 @@ def flatten_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return flat
 
 
-def check_targets(targets: torch.Tensor, rows_shape: torch.Size, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Targets as a contiguous int64 [R]; raises unless shape matches and every id is in [0, vocab_size)."""
+def check_targets(targets: torch.Tensor, rows_shape: torch.Size, vocab_size: int, device: torch.device,
+                  check_values: bool = True) -> torch.Tensor:
+    """Targets as a contiguous int64 [R]; raises unless shape matches and (with `check_values`: two host syncs)
+    every id is in [0, vocab_size)."""
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if tuple(targets.shape) != tuple(rows_shape):
@@ -35,7 +37,7 @@ def check_targets(targets: torch.Tensor, rows_shape: torch.Size, vocab_size: int
     if targets.device != device:
         raise ValueError(f"targets are on {targets.device} but the logits/hidden are on {device}")
     flat = targets.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel():
+    if check_values and flat.numel():
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi >= vocab_size:
             bad = int(((flat < 0) | (flat >= vocab_size)).nonzero()[0, 0])
@@ -46,8 +48,10 @@ def check_targets(targets: torch.Tensor, rows_shape: torch.Size, vocab_size: int
     return flat
 
 
-def check_per_token(x: Optional[torch.Tensor], name: str, rows_shape: torch.Size, device: torch.device, *, as_bool: bool):
-    """Optional per-token tensor (logp_infer or mask) as a contiguous fp32/bool [R]."""
+def check_per_token(x: Optional[torch.Tensor], name: str, rows_shape: torch.Size, device: torch.device, *, as_bool: bool,
+                    check_values: bool = True):
+    """Optional per-token tensor (logp_infer or mask) as a contiguous fp32/bool [R] (a float mask's 0/1 values
+    checked with `check_values`: a host sync)."""
     if x is None:
         return None
     if tuple(x.shape) != tuple(rows_shape):
@@ -57,7 +61,7 @@ def check_per_token(x: Optional[torch.Tensor], name: str, rows_shape: torch.Size
     flat = x.detach().reshape(-1)
     if as_bool:
         if flat.dtype != torch.bool:
-            if flat.dtype.is_floating_point and not bool(((flat == 0) | (flat == 1)).all()):
+            if check_values and flat.dtype.is_floating_point and not bool(((flat == 0) | (flat == 1)).all()):
                 raise ValueError(f"{name} must be boolean or 0/1 valued")
             flat = flat != 0
         return flat.contiguous()

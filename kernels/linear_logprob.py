@@ -105,6 +105,7 @@ def linear_token_logprobs(
     token_chunk: int = TOKEN_CHUNK,
     vocab_chunk: int = VOCAB_CHUNK,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> TokenLogprobs:
     """token_logprobs(hidden @ weight.T, targets, ...) without materialising the logits.
 
@@ -120,9 +121,10 @@ def linear_token_logprobs(
         raise ValueError(f"token_chunk and vocab_chunk must be >= 1, got {token_chunk}, {vocab_chunk}")
     start, total = vocab_range(weight.shape[0], group, vocab_start, vocab_size)
     rows_shape = hidden.shape[:-1]
-    tgt = check_targets(targets, rows_shape, total, hidden.device)
+    tgt = check_targets(targets, rows_shape, total, hidden.device, check_values)
     infer = check_per_token(logp_infer, "logp_infer", rows_shape, hidden.device, as_bool=False)
-    keep = check_per_token(mask, "mask", rows_shape, hidden.device, as_bool=True)
+    keep = check_per_token(mask, "mask", rows_shape, hidden.device, as_bool=True,
+                           check_values=check_values)
     if mask is not None and logp_infer is None:
         raise ValueError("mask only applies to the IS ratio and mismatch stats: pass logp_infer as well")
     impl = primitives(backend, hidden.device)

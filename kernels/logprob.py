@@ -70,6 +70,7 @@ def token_logprobs(
     vocab_size: Optional[int] = None,
     inplace_backward: bool = False,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> TokenLogprobs:
     """Log-probabilities of `targets` under softmax(logits), fused with the IS ratio and entropy.
 
@@ -78,13 +79,15 @@ def token_logprobs(
     mask: [...] loss mask (bool or 0/1), used for the ratio and the mismatch stats.
     vocab_start / vocab_size default to Megatron's equal split: rank * V_local and V_local * TP.
     backend: 'auto' (Triton on CUDA, torch otherwise), 'torch' or 'triton'.
+    check_values: check the targets' range (and a float mask's 0/1 values): host syncs, for debugging.
     """
     flat = flatten_rows(logits, "logits")
     start, total = vocab_range(flat.shape[1], group, vocab_start, vocab_size)
     rows_shape = logits.shape[:-1]
-    tgt = check_targets(targets, rows_shape, total, logits.device)
+    tgt = check_targets(targets, rows_shape, total, logits.device, check_values)
     infer = check_per_token(logp_infer, "logp_infer", rows_shape, logits.device, as_bool=False)
-    keep = check_per_token(mask, "mask", rows_shape, logits.device, as_bool=True)
+    keep = check_per_token(mask, "mask", rows_shape, logits.device, as_bool=True,
+                           check_values=check_values)
     if mask is not None and logp_infer is None:
         raise ValueError("mask only applies to the IS ratio and mismatch stats: pass logp_infer as well")
     impl = primitives(backend, logits.device)

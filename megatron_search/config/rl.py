@@ -46,6 +46,10 @@ class GRPOConfig(Section):
     loss_norm_tokens: Optional[PositiveInt] = Field(
         None, description="constant L_norm of seq_mean_token_sum_norm (e.g. the generation limit); None = padded width"
     )
+    check_loss_values: bool = Field(
+        False, description="debug: check the policy loss inputs' values on every micro-batch (0/1 mask, finite "
+        "logprobs and advantages, a non-empty mask); each check is a host sync of the GPU, so off by default "
+        "(shapes and settings are always checked; a non-finite loss still stops the step)")
     routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")
     routing_agreement: bool = Field(
         False, description="with routing replay off, also fetch the engine's experts and log how often training "

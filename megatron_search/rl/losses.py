@@ -63,25 +63,27 @@ Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_n
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 
 
-def _bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
+def _bool_mask(mask: Tensor, shape: torch.Size, check_values: bool) -> Tensor:
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != shape:
         raise ValueError(f"mask: shape {tuple(mask.shape)} does not match logp_train {tuple(shape)}")
     if mask.dtype == torch.bool:
         return mask
-    if not ((mask == 0) | (mask == 1)).all():
+    if check_values and not ((mask == 0) | (mask == 1)).all():
         raise ValueError("mask: values must be 0 or 1 (or a bool tensor)")
     return mask != 0
 
 
-def _check_logp(name: str, x: Tensor, shape: torch.Size, mask: Tensor) -> Tensor:
+def _check_logp(name: str, x: Tensor, shape: torch.Size, mask: Tensor, check_values: bool) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.shape != shape:
         raise ValueError(f"{name}: shape {tuple(x.shape)} does not match logp_train {tuple(shape)}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating tensor, got {x.dtype}")
+    if not check_values:
+        return x
     bad = (mask & ~torch.isfinite(x)).nonzero()
     if bad.numel():
         raise ValueError(f"{name}: NaN/inf at {bad.shape[0]} loss token(s), first at (row, col) {tuple(bad[0].tolist())}")
@@ -89,21 +91,25 @@ def _check_logp(name: str, x: Tensor, shape: torch.Size, mask: Tensor) -> Tensor
 
 
 def _validate(
-    logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+    logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens,
+    check_values,
 ):
+    """Shapes, dtypes and settings always (no device work); with `check_values` also the tensors' values (0/1 mask,
+    finite logprobs and advantages, a non-empty mask): host syncs, about one per check, so the trainer runs them
+    only with grpo.check_loss_values."""
     if not isinstance(logp_train, Tensor) or logp_train.dim() != 2:
         raise ValueError(f"logp_train: expected a [B, T] tensor, got {getattr(logp_train, 'shape', type(logp_train))}")
     shape = logp_train.shape
-    m = _bool_mask(mask, shape)
-    _check_logp("logp_train", logp_train, shape, m)
-    _check_logp("logp_infer", logp_infer, shape, m)
+    m = _bool_mask(mask, shape, check_values)
+    _check_logp("logp_train", logp_train, shape, m, check_values)
+    _check_logp("logp_infer", logp_infer, shape, m, check_values)
     if logp_old is not None:
-        _check_logp("logp_old", logp_old, shape, m)
+        _check_logp("logp_old", logp_old, shape, m, check_values)
     if not isinstance(advantages, Tensor) or advantages.shape != shape[:1]:
         raise ValueError(
             f"advantages: expected shape ({shape[0]},) (one per rollout), got {tuple(getattr(advantages, 'shape', ()))}"
         )
-    if not torch.isfinite(advantages).all():
+    if check_values and not torch.isfinite(advantages).all():
         raise ValueError("advantages: NaN/inf values")
     if is_cap is not None and not is_cap > 0:
         raise ValueError(f"is_cap: must be > 0 or None, got {is_cap}")
@@ -113,7 +119,7 @@ def _validate(
         raise ValueError(f"aggregation: {aggregation!r} is not one of {AGGREGATIONS}")
     if norm_tokens is not None and not norm_tokens > 0:
         raise ValueError(f"norm_tokens: must be > 0 or None, got {norm_tokens}")
-    if not m.any():
+    if check_values and not m.any():
         raise ValueError("mask: selects no tokens, the loss is undefined (drop empty micro-batches)")
     return m
 
@@ -159,28 +165,39 @@ def _surrogate(w: Tensor, log_rho: Optional[Tensor], rho_plain: Tensor, adv: Ten
     return w * torch.minimum(unclipped, clipped), clipped.detach() < unclipped.detach()
 
 
-def _stats(prefix: str, x: Tensor) -> dict[str, Tensor]:
-    return {f"{prefix}_mean": x.mean(), f"{prefix}_min": x.min(), f"{prefix}_max": x.max()}
+# Metrics are masked reductions, never boolean indexing (x[m]): that is a host sync and a data-dependent shape.
+def _mean(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+def _max(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, torch.full_like(x, -torch.inf)).max()
+
+
+def _stats(prefix: str, x: Tensor, m: Tensor) -> dict[str, Tensor]:
+    x = x.detach()
+    return {f"{prefix}_mean": _mean(x, m), f"{prefix}_min": -_max(-x, m), f"{prefix}_max": _max(x, m)}
 
 
 def _mismatch(logp_ref: Tensor, logp_infer: Tensor, m: Tensor) -> dict[str, Tensor]:
-    d = (logp_ref.detach() - logp_infer.detach())[m]
-    return {"mismatch_kl_k1": (-d).mean(), "mismatch_kl_k3": (torch.exp(d) - 1.0 - d).mean()}
+    d = logp_ref.detach() - logp_infer.detach()  # 0 off the mask (both were where()d)
+    return {"mismatch_kl_k1": _mean(-d, m), "mismatch_kl_k3": _mean(torch.exp(d) - 1.0 - d, m)}
 
 
 def _policy_drift(lp: Tensor, lp_old: Tensor, m: Tensor) -> dict[str, Tensor]:
-    q = (lp.detach() - lp_old.detach())[m]
-    return {"policy_kl_k1": (-q).mean(), "policy_kl_k3": (torch.exp(q) - 1.0 - q).mean(),
-            "policy_log_ratio_abs_max": q.abs().max()}
+    q = lp.detach() - lp_old.detach()
+    return {"policy_kl_k1": _mean(-q, m), "policy_kl_k3": _mean(torch.exp(q) - 1.0 - q, m),
+            "policy_log_ratio_abs_max": _max(q.abs(), m)}
 
 
 def _masked_inputs(logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high,
-                   aggregation, norm_tokens):
+                   aggregation, norm_tokens, check_values):
     """Validated, upcast inputs with off-mask positions zeroed: (mask, log pi_theta, log mu (detached),
     log pi_ref = pi_old or sg(pi_theta), advantages, a zero scalar). where() comes before any
     arithmetic, so off-mask garbage (NaN, -inf) never reaches values or gradients."""
     m = _validate(
-        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens,
+        check_values,
     )
     logp_train, logp_infer, advantages, logp_old = _upcast(logp_train, logp_infer, advantages, logp_old)
     zero = torch.zeros((), dtype=logp_train.dtype, device=logp_train.device)
@@ -204,10 +221,12 @@ def token_is_loss(
     aggregation: Aggregation = "seq_mean_token_mean",
     denominator: Optional[float] = None,
     norm_tokens: Optional[int] = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level IS policy loss (module docstring); returns (loss, metrics)."""
     m, lp, lp_infer, lp_ref, advantages, zero = _masked_inputs(
-        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens,
+        check_values,
     )
     w = torch.exp(lp_ref - lp_infer)
     w_used = w if is_cap is None else torch.clamp(w, max=is_cap)
@@ -216,9 +235,9 @@ def token_is_loss(
     obj, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach()[:, None], clip_eps_low, clip_eps_high)
     obj = torch.where(m, obj, zero)
     loss = -aggregate(obj, m, aggregation, denominator, norm_tokens)
-    metrics = _stats("is_weight", w[m])
-    metrics["is_truncated_frac"] = (w[m] > is_cap).float().mean() if is_cap is not None else zero.clone()
-    metrics["clip_frac"] = clipped[m].float().mean()
+    metrics = _stats("is_weight", w, m)
+    metrics["is_truncated_frac"] = _mean((w > is_cap).to(lp.dtype), m) if is_cap is not None else zero.clone()
+    metrics["clip_frac"] = _mean(clipped.to(lp.dtype), m)
     metrics.update(_mismatch(lp_ref, lp_infer, m))
     if logp_old is not None:
         metrics.update(_policy_drift(lp, lp_ref, m))
@@ -241,10 +260,12 @@ def sequence_is_loss(
     aggregation: Aggregation = "seq_mean_token_mean",
     denominator: Optional[float] = None,
     norm_tokens: Optional[int] = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequence-level (GSPO-style, geometric-mean) IS policy loss (module docstring); returns (loss, metrics)."""
     m, lp, lp_infer, lp_ref, advantages, zero = _masked_inputs(
-        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens
+        logp_train, logp_infer, advantages, mask, logp_old, is_cap, clip_eps_low, clip_eps_high, aggregation, norm_tokens,
+        check_values,
     )
     n_tok = m.sum(-1).clamp(min=1).to(lp.dtype)
     seq = m.any(-1)
@@ -259,9 +280,9 @@ def sequence_is_loss(
     obj_seq, clipped = _surrogate(w_used, log_rho, rho_plain, advantages.detach(), clip_eps_low, clip_eps_high)
     obj = torch.where(m, obj_seq[:, None].expand_as(lp), zero)
     loss = -aggregate(obj, m, aggregation, denominator, norm_tokens)
-    metrics = _stats("is_weight", w[seq])
-    metrics["is_truncated_frac"] = (w[seq] > is_cap).float().mean() if is_cap is not None else zero.clone()
-    metrics["clip_frac"] = clipped[seq].float().mean()
+    metrics = _stats("is_weight", w, seq)
+    metrics["is_truncated_frac"] = _mean((w > is_cap).to(lp.dtype), seq) if is_cap is not None else zero.clone()
+    metrics["clip_frac"] = _mean(clipped.to(lp.dtype), seq)
     metrics.update(_mismatch(lp_ref, lp_infer, m))
     if logp_old is not None:
         metrics.update(_policy_drift(lp, lp_ref, m))

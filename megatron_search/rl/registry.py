@@ -54,4 +54,5 @@ def build_policy_loss(grpo) -> PolicyLoss:
         clip_eps_high=grpo.clip_eps_high,
         aggregation=grpo.loss_aggregation,
         norm_tokens=grpo.loss_norm_tokens,
+        check_values=grpo.check_loss_values,
     )

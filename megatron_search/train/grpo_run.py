@@ -174,8 +174,8 @@ class GRPORun:
         history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
             ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
             aggregation=g.loss_aggregation, micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch,
-            replay=g.routing_replay,
-            temperature=training_temperature(self.cfg.rollout)))
+            replay=g.routing_replay, temperature=training_temperature(self.cfg.rollout),
+            check_values=g.check_loss_values))
         dt = time.perf_counter() - t0
         m = self.metrics
         m.update({f"train/{k}": v for k, v in (history[-1] if history else {}).items()})

@@ -45,8 +45,10 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
 
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
                       logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
-                      replay=None, agreement=None, temperature: float = 1.0):
+                      replay=None, agreement=None, temperature: float = 1.0, check_values: bool = True):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
+
+    `check_values`: the fused logprob checks the targets' range (host syncs; grpo.check_loss_values).
 
     `temperature`: the logits are divided by it before the log-softmax, so log pi_train is of the
     distribution the engine sampled from and reported (logits / T); 1.0 leaves them untouched.
@@ -85,7 +87,8 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
             # same reason they are scaled in place: autograd keeps no copy of a tensor divided by a scalar.
             if temperature != 1.0:
                 output = output.div_(temperature)
-            out = token_logprobs(output, mb.targets_BS, group=tp_group, inplace_backward=capture is None)
+            out = token_logprobs(output, mb.targets_BS, group=tp_group, inplace_backward=capture is None,
+                                 check_values=check_values)
             if capture is not None:
                 capture.append(out.logp.detach().float())
                 zero = output.sum() * 0.0
@@ -168,7 +171,7 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
 
 def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, policy_loss: Callable, aggregation: str,
                   micro_batch_size: int, updates: int = 1, replay: bool = True,
-                  temperature: float = 1.0) -> list[dict[str, float]]:
+                  temperature: float = 1.0, check_values: bool = True) -> list[dict[str, float]]:
     """`updates` optimizer steps on this data-parallel rank's share of a rollout batch (`groups`: this rank's
     process groups, DistContext.groups).
 
@@ -192,21 +195,21 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, polic
         agreement = (*where, layers)
     try:
         return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay_ctl, agreement, tp_group,
-                        dp_group, pp_group, dp, last, temperature)
+                        dp_group, pp_group, dp, last, temperature, check_values)
     finally:
         if replay_ctl is not None:
             replay_ctl.clear()
 
 
 def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, agreement, tp_group, dp_group,
-             pp_group, dp, last, temperature) -> list[dict[str, float]]:
+             pp_group, dp, last, temperature, check_values) -> list[dict[str, float]]:
     if len(mbs) % updates:
         raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
     logp_old: Optional[list[torch.Tensor]] = None
     if updates > 1:
         captured: list[torch.Tensor] = []
         fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured, replay=replay,
-                               temperature=temperature)
+                               temperature=temperature, check_values=check_values)
         with torch.no_grad():
             run_schedule(chunks, fs, mbs, forward_only=True)
         # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
@@ -221,7 +224,7 @@ def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, 
             continue  # no trained token anywhere in this part: nothing to learn from
         old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
         fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old,
-                               replay=replay, agreement=agreement, temperature=temperature)
+                               replay=replay, agreement=agreement, temperature=temperature, check_values=check_values)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
