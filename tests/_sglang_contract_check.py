@@ -213,7 +213,7 @@ LOCAL_ROUTES = [  # everything rollout/local_server.build_app registers, and one
     "/generate", "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
     "/update_weights_from_distributed", "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
     "/update_weight_version", "/pause_generation", "/continue_generation", "/release_memory_occupation",
-    "/resume_memory_occupation", "/flush_cache", "/health", "/health_generate", "/get_model_info",
+    "/resume_memory_occupation", "/flush_cache", "/ready", "/health", "/health_generate", "/get_model_info",
     "/get_weight_version", "/local/weights_sha256", "/local/memory", "/v1/chat/completions", "/no_such_route"]
 
 

@@ -66,9 +66,11 @@ class Killer(threading.Thread):
             while not self._step_done(step - 1):  # its dispatch rows are written once its rollouts are in
                 self._tick(0.02, step)
             url = f"http://127.0.0.1:{int(self.port_file.read_text())}"
-            while self._held_kv_bytes(url) != 0:  # until the weight update before `step` flushed the engine
+            # until the weight update before `step` reached the engine (version `step`; a restarted engine's own
+            # start-up health probe generates a token, as SGLang's does, and must not pass for step's requests)
+            while self._weight_version(url) != str(step) or self._held_kv_bytes(url) != 0:
                 self._tick(0.005, step)
-            while self._held_kv_bytes(url) == 0:  # then step `step`'s requests run there
+            while self._held_kv_bytes(url) <= 0:  # then step `step`'s requests run there
                 self._tick(0.005, step)
             pid = self._server_pid()
             os.kill(pid, signal.SIGKILL)
@@ -98,6 +100,25 @@ class Killer(threading.Thread):
                 return int(json.loads(r.read())["kv_cache"])
         except (urllib.error.URLError, ConnectionError):
             return -1
+
+    @staticmethod
+    def _weight_version(url: str):
+        import urllib.error
+        import urllib.request
+
+        from megatron_search.rollout.engine.auth import bearer_header, key_from_env
+
+        req = urllib.request.Request(f"{url}/get_weight_version", headers=bearer_header(key_from_env()))
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                body = r.read().decode()
+        except (urllib.error.URLError, ConnectionError):
+            return None
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return body.strip()
+        return value.get("weight_version") if isinstance(value, dict) else str(value)
 
     def _server_pid(self) -> int:
         mark = str(self.port_file).encode()

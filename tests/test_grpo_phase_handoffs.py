@@ -3,8 +3,9 @@
 While rank 0 (the driver) rolls out, packs the batch or evaluates, the other ranks wait in the hand-off that
 follows. On a GPU cluster that wait must not be an NCCL collective (a kernel spinning beside the engines'
 decode, killed by the watchdog after 600 s): every hand-off goes over the host group (gloo, long timeout,
-distributed/init.host_group). A SIGUSR1 that reaches one rank only stops every rank after the same step, each
-saving its part of the same checkpoint (a rank saving while another starts a step would hang both).
+distributed/init.host_group). A SIGUSR1 that reaches one rank only stops every rank at the same point, each
+saving its part of the same checkpoint (a rank saving while another starts a step would hang both): between
+steps, or during the rollouts (the longest phase), with a checkpoint of the step's start.
 """
 from __future__ import annotations
 
@@ -47,19 +48,29 @@ def _worker(rank: int, world: int, port: int, fx: dict, root: str) -> None:
     grpo_run.dist.broadcast_object_list = spy("broadcast_object_list", dist.broadcast_object_list)
     grpo_run.coll.all_reduce = spy("all_reduce", grpo_run.coll.all_reduce)
     batch_scatter.dist.broadcast_object_list = grpo_run.dist.broadcast_object_list
-    end_step = grpo_run.GRPORun.end_step
+    end_step, check_capacity = grpo_run.GRPORun.end_step, grpo_run.GRPORun.check_capacity
+    when = {}
 
     def end_step_then_signal(self, step):
         end_step(self, step)
-        if rank == 1 and step == 0:  # the signal reaches one rank only, between its checks
+        if rank == 1 and when["at"] == "between_steps" and step == 0:  # one rank only, between its checks
             os.kill(os.getpid(), signal.SIGUSR1)
 
+    def signal_during_rollouts(self, step):
+        if rank == 1 and when["at"] == "during_rollouts" and step == 1:  # while the driver rolls out step 1
+            os.kill(os.getpid(), signal.SIGUSR1)
+        check_capacity(self, step)
+
     grpo_run.GRPORun.end_step = end_step_then_signal
+    grpo_run.GRPORun.check_capacity = signal_during_rollouts
     try:
-        cfg = load_config(None, grpo_overrides(fx, Path(root) / "run", steps=3) + [f"parallel.world_size={world}",
-                                                                               "parallel.ep=2"])
-        metrics = run_grpo(cfg)
-        (Path(root) / f"rank{rank}.json").write_text(json.dumps({"calls": calls, "metrics": sorted(metrics)}))
+        for at in ("between_steps", "during_rollouts"):
+            when["at"] = at
+            calls.clear()
+            cfg = load_config(None, grpo_overrides(fx, Path(root) / at, steps=3) + [f"parallel.world_size={world}",
+                                                                                  "parallel.ep=2"])
+            run_grpo(cfg)
+            (Path(root) / at / f"rank{rank}.json").write_text(json.dumps({"calls": list(calls)}))
     finally:
         dist.destroy_process_group()
 
@@ -75,12 +86,15 @@ def test_handoffs_use_the_host_group_and_a_one_rank_signal_stops_every_rank(fx, 
     from _mp import run_spawned
 
     run_spawned(_worker, 2, fx, str(tmp_path), timeout_s=300)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    # stopped after step 0 on both ranks (3 steps were asked for): one checkpoint, of iteration 1, both parts
-    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
-    assert saved == ["step_00000001"], saved
-    trainer = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "trainer.json").read_text())
-    assert trainer["iteration"] == 1
+    # between steps: after step 0 on both ranks (3 steps were asked for), one checkpoint of iteration 1. During
+    # step 1's rollouts: a checkpoint of step 1's start (iteration 1: the policy untouched), and no step 1 update.
+    for at in ("between_steps", "during_rollouts"):
+        saved = sorted(p.name for p in (tmp_path / at / "checkpoints").glob("step_*"))
+        assert saved == ["step_00000001"], (at, saved)
+        trainer = json.loads((tmp_path / at / "checkpoints" / "step_00000001" / "trainer.json").read_text())
+        assert trainer["iteration"] == 1, at
+    assert not (tmp_path / "during_rollouts" / "final_weights").exists()  # it stopped before the last step
+    ranks = [json.loads((tmp_path / "between_steps" / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         # the hand-offs: every object broadcast and the stop vote of the loop, and the batch scatter's first
         # message (whether there is a batch: the others wait for it while the driver scores and packs); the

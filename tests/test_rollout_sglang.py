@@ -17,13 +17,21 @@ from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams
 from megatron_search.rollout.sglang.client import SGLangClient, sglang_command
 
 
+def test_more_than_one_data_parallel_replica_per_engine_is_refused():
+    from megatron_search.config import ConfigError
+
+    # SGLang 0.5.23 asserts dp_size == 1 in every weight-update call (managers/tokenizer_control_mixin.py)
+    with pytest.raises(ConfigError, match=r"rollout.sglang.dp: 2: SGLang 0.5.23 refuses weight updates"):
+        load_config(None, ["rollout.sglang.dp=2"])
+
+
 def test_launch_line_carries_the_flags_this_project_needs():
-    cfg = load_config(None, ["rollout.sglang.tp=8", "rollout.sglang.ep=8", "rollout.sglang.dp=2",
+    cfg = load_config(None, ["rollout.sglang.tp=8", "rollout.sglang.ep=8",
                              "rollout.sglang.extra_args=[--attention-backend,fa3]"])
     argv = sglang_command(cfg.rollout.sglang, "/ckpt/qwen", 30000, routed_experts=True, seed=7, weight_version="3")
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     pairs = dict(zip(argv[3::1], argv[4::1]))
-    for flag, value in {"--model-path": "/ckpt/qwen", "--tp-size": "8", "--ep-size": "8", "--dp-size": "2",
+    for flag, value in {"--model-path": "/ckpt/qwen", "--tp-size": "8", "--ep-size": "8", "--dp-size": "1",
                         "--host": "127.0.0.1", "--port": "30000", "--mem-fraction-static": "0.8",
                         "--random-seed": "7", "--weight-version": "3"}.items():
         assert pairs[flag] == value, flag

@@ -43,7 +43,7 @@ def test_client_requests_and_rendezvous_are_sglangs_own():
     assert set(result["checked"]) == ENDPOINTS
     assert result["problems"] == []
     assert result["rendezvous_equal"] is True and result["engine_exit"] == 0
-    assert result["auth_mismatches"] == [] and result["auth_cases"] == 22 * 4 * 12
+    assert result["auth_mismatches"] == [] and result["auth_cases"] == 23 * 4 * 12
     levels = result["auth_levels"]
     assert set(levels.values()) <= {"NORMAL", "ADMIN_OPTIONAL"}  # no ADMIN_FORCE route: a 401 is the only refusal
     assert levels["/update_weights_from_tensor"] == levels["/update_weights_from_distributed"] == "ADMIN_OPTIONAL"

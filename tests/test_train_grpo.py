@@ -42,6 +42,9 @@ def check_run(run_dir: Path, steps: int) -> None:
     # the engine scored its samples with the weights the trainer had: tiny train-inference mismatch
     assert all(abs(k) < 1e-3 for k in scalars(run_dir, "train/mismatch_kl_k3"))
     assert weights_changed(run_dir)
+    # no engine went down: nothing probed or generated on an engine whose memory was released (SGLang's /health
+    # generates one token; the probe before a push is /ready)
+    assert scalars(run_dir, "engine/restarts_total") and not any(scalars(run_dir, "engine/restarts_total"))
     for tag in ("reward/r_base", "reward/preference", "reward/pen_tool", "reward/pen_len", "rollout/tool_calls",
                 "rollout/effective_calls", "rollout/broken_calls", "rollout/search_timeouts", "rollout/search_errors",
                 "rollout/response_tokens", "advantage/std",

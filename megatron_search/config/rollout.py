@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from .base import Section
 
@@ -35,7 +35,8 @@ class SGLangConfig(Section):
     model_path: Optional[str] = Field(None, description="HF directory served; None = model.path (or, without its weights, its HF files / model.hf_config with dummy weights)")
     tp: PositiveInt = 1
     ep: PositiveInt = 1
-    dp: PositiveInt = 1
+    dp: PositiveInt = Field(1, description="--dp-size; only 1: SGLang 0.5.23 asserts dp_size == 1 on every weight "
+                            "update (managers/tokenizer_control_mixin.py), so more replicas are more engines")
     mem_fraction_static: float = Field(0.8, gt=0.0, le=1.0)
     host: str = "127.0.0.1"
     base_port: PositiveInt = 30000
@@ -50,9 +51,16 @@ class SGLangConfig(Section):
     router_port: PositiveInt = 29999
     extra_args: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _one_data_parallel_replica(self):
+        if self.dp != 1:
+            raise ValueError(f"rollout.sglang.dp: {self.dp}: SGLang 0.5.23 refuses weight updates with dp_size > 1 "
+                             "(an assertion in every update call, managers/tokenizer_control_mixin.py); run more "
+                             "engines instead (each of rollout.sglang.tp GPUs)")
+        return self
+
 
 VLLM_VERSION = "0.33.0"  # the vLLM release rollout/vllm/client.py is written and contract-tested against
-
 
 class VLLMConfig(Section):
     """`vllm serve` flags (rollout/vllm/client.py builds the command line; docs/ROLLOUT.md, "vLLM"). Defaults are vLLM

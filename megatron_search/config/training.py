@@ -79,9 +79,9 @@ class CheckpointConfig(Section):
         "gathered per parameter over each DP group (host memory for the DP group's state on every rank), resumes at "
         "any layout: the conversion step before a layout change (resume once at the old layout with it and save)")
     fully_parallel: bool = Field(
-        True, description="spread the writing and reading of replicated tensors over the data-parallel ranks "
-        "(Megatron's FullyParallelSave/LoadStrategyWrapper) instead of the first replica writing all of them; reads "
-        "are spread on GPU only (Megatron's exchange of loaded tensors allocates on CUDA)")
+        True, description="spread the writing of replicated tensors over the data-parallel ranks (Megatron's "
+        "FullyParallelSaveStrategyWrapper) instead of the first replica writing all of them; each rank reads its "
+        "own shards (a fully parallel load would exchange every shard with two holders over the DP group)")
     write_threads: int = Field(2, ge=1, description="writer threads per rank (torch.distributed.checkpoint's "
                                "FileSystemWriter thread_count; Megatron-LM's default is 2)")
 

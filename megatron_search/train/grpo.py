@@ -37,6 +37,8 @@ def run_grpo(cfg) -> dict[str, float]:
             step = run.begin_step()
             rollouts = run.rollouts(step) if run.is_driver else None         # G per prompt + reference answers
             run.check_capacity(step)                                          # too many lost: checkpoint, stop
+            if run.stopped_after_rollouts(step):                              # a stop signal: the step's start saved
+                break
             s = run.preference_scores(step, rollouts)                         # the reward model, every rank
             batch = None
             if run.is_driver:
@@ -44,8 +46,9 @@ def run_grpo(cfg) -> dict[str, float]:
                 advantages = run.advantages(scores, rewards)                  # group-relative
                 batch = run.filter_and_pack(rollouts, scores, rewards, advantages)
             run.train(step, run.scatter(batch))                               # token-IS update (or a skipped step)
+            run.save_if_due(step)                                             # while the engines hold no memory
             run.push_weights(step)                                            # every rank sends what it owns
-            run.end_step(step)                                                # eval when due, log, save when due
+            run.end_step(step)                                                # eval when due, log
         run.finish()
         return run.metrics
     finally:

@@ -101,6 +101,17 @@ class ColocatedCycle:
             self.released = {}
         self._record(step, "resumed")
 
+    def to_checkpoint(self) -> None:
+        """Before a save (every rank): the engines release their memory if they still hold it (a stop or a
+        lost-capacity stop, after which the run ends; after the update they are released already) and the reward
+        model leaves, then the trainer's state returns: a save never shares the GPU with an engine."""
+        if self.enabled and not self.released:
+            with self._timed("time/release_s"):
+                self.released = self._engines("release_memory_occupation", ["weights", "kv_cache"], self._serving())
+        if self.enabled:
+            self.rm.offload(("params",))  # a step without signal went from scoring straight to its save
+        self.ensure_resident()
+
     def ensure_resident(self) -> None:
         """The trainer's state back on the device (checkpoints, the end of the run)."""
         if self.offloader.offloaded:

@@ -140,10 +140,23 @@ class GRPORun:
             return
         if self.is_driver:
             self.writer.scalars(step, self.metrics)
-        self.colocate.ensure_resident()
+        self.colocate.to_checkpoint()  # the engines release first: they and the trainer never share the GPU
         path = self.trainer.save(extra=_broadcast({"sampler": self._sampler_at_step_start} if self.is_driver else {}))
         raise LostCapacityError(f"{error}. Checkpoint of step {step}'s start: {path}; bring the engines back (or raise "
                                 f"rollout.health.max_lost_capacity) and resume (checkpoint.resume=true)")
+
+    def stopped_after_rollouts(self, step: int) -> bool:
+        """A stop signal on any rank during the rollouts (the longest phase; Slurm's notice is shorter than a step):
+        a checkpoint of the step's start (the policy untouched, the sampler before this step's prompts, so the
+        resumed run redoes the step) and True: the loop ends here instead of after the step."""
+        if not _any_rank(self.stop.requested):
+            return False
+        self.colocate.to_checkpoint()  # the engines release first: they and the trainer never share the GPU
+        path = self.trainer.save(extra=_broadcast({"sampler": self._sampler_at_step_start} if self.is_driver else {}))
+        if self.is_driver:
+            print(f"grpo: stop signal during step {step}'s rollouts: checkpoint of the step's start saved at {path}",
+                  flush=True)
+        return True
 
     def preference_scores(self, step: int, ro: Optional[StepRollouts]) -> torch.Tensor:
         """s of every rollout against its reference answer, on the reward model's ranks (all of them: it is
@@ -185,6 +198,14 @@ class GRPORun:
         m["time/train_s"] = dt
         m["perf/train_tokens_per_s"] = float(local.mask_BS.sum()) * self.dp / max(dt, 1e-9)  # DP slices: even
 
+    def save_if_due(self, step: int) -> None:
+        """A checkpoint when due and after the last step, as SFT does (every rank), taken right after the update:
+        colocated, the engines hold no memory then and the trainer's state is resident, so the two never share
+        the GPU for a save (the engines get their memory back at the push)."""
+        if self.trainer.should_save() or self.trainer.iteration >= self.cfg.grpo.steps:
+            self.colocate.to_checkpoint()  # a step without signal left the state offloaded; the engines are released
+            self.trainer.save(extra=_broadcast(self._driver_state()))
+
     def push_weights(self, step: Optional[int] = None) -> None:
         """Push the policy to the engines from every rank (owner-parallel, weights/delivery.py). Before the
         first step (`step` None) a fresh run also writes the initial policy as an HF checkpoint
@@ -223,8 +244,7 @@ class GRPORun:
             self.metrics.update(self.colocate.metrics)
 
     def end_step(self, step: int) -> None:
-        """Held-out evaluation when due (driver), the step's metrics (driver), a checkpoint when due and after the
-        last step, as SFT does (every rank)."""
+        """Held-out evaluation when due (driver), the step's metrics (driver)."""
         g = self.cfg.grpo
         due = g.eval_interval and ((step + 1) % g.eval_interval == 0 or self.trainer.iteration >= g.steps)
         if self.is_driver and due:
@@ -233,14 +253,12 @@ class GRPORun:
             self.writer.scalars(step, self.metrics)
             if step % self.cfg.logging.log_interval == 0:
                 print(format_line(step, self.metrics, LOGGED), flush=True)
-        if self.trainer.should_save() or self.trainer.iteration >= g.steps:
-            self.colocate.ensure_resident()  # gradients and optimizer state left for the push
-            self.trainer.save(extra=_broadcast(self._driver_state()))
 
     def finish(self) -> None:
-        """The trainer's state back on its device; on a stop signal, a checkpoint of where the run stopped."""
-        self.colocate.ensure_resident()
+        """On a stop signal, a checkpoint of where the run stopped (colocated: the engines release their memory
+        first, then the trainer's state comes back)."""
         if self.stopping:  # agreed in finished(): every rank saves, whichever got the signal
+            self.colocate.to_checkpoint()
             self.trainer.save(extra=_broadcast(self._driver_state()))
             if self.is_driver:
                 print(f"grpo: stop signal: checkpoint saved at step {self.trainer.iteration}", flush=True)

@@ -87,8 +87,14 @@ def _agreed_nonce() -> str:
     return box[0]
 
 
+def _optimizer_buffers(trainer) -> dict:
+    """What the distributed optimizer's flat buffers depend on besides the layout: which parameters train."""
+    return {"distributed_optimizer": bool(trainer.cfg.parallel.distributed_optimizer), "mtp": bool(trainer.cfg.model.mtp),
+            "mtp_trained": bool(trainer.cfg.model.mtp and getattr(trainer, "train_mtp", True))}
+
+
 def _parallel_group(trainer):
-    """With checkpoint.fully_parallel, the DP x CP group that shares the replicated tensors' writes and reads."""
+    """With checkpoint.fully_parallel, the DP x CP group that shares the replicated tensors' writes."""
     group = getattr(trainer.ctx.groups, "dp_cp", None) if trainer.cfg.checkpoint.fully_parallel else None
     return group if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 else None
 
@@ -124,6 +130,7 @@ def write_run_state(trainer, directory: Path, extra: dict) -> None:
             "num_chunks": len(trainer.model),
             "optimizer_parts": optimizer_parts(trainer.optimizer),
             "optimizer_format": ck.optimizer_format,
+            "optimizer_buffers": _optimizer_buffers(trainer),
             "extra": extra,
         }
         (directory / TRAINER_JSON).write_text(json.dumps(meta, indent=1))
@@ -169,14 +176,20 @@ def load_run(trainer, path: Path) -> dict:
     saved_format = meta.get("optimizer_format", "fully_reshardable")  # what checkpoints before the field were
     moved = {k: (v, _layout(trainer)[k]) for k, v in meta["layout"].items()
              if k != "world_size" and v != _layout(trainer)[k]}
+    saved_buffers = meta.get("optimizer_buffers")
+    if saved_format == "dp_reshardable" and saved_buffers is not None and saved_buffers != _optimizer_buffers(trainer):
+        raise CheckpointError(
+            f"{path}: the optimizer state was saved dp_reshardable with buffers of {saved_buffers}, this run has "
+            f"{_optimizer_buffers(trainer)} (another set of trained parameters: e.g. GRPO freezes the MTP layer; or "
+            "the distributed optimizer switched): its flat shards do not fit. Start from its weights only "
+            "(checkpoint.load without checkpoint.resume), or save it fully_reshardable at its own settings first")
     if saved_format == "dp_reshardable" and moved:
         raise CheckpointError(
             f"{path}: the optimizer state was saved dp_reshardable, which loads only at the layout it was saved at "
             f"(but for DP); this run changes {', '.join(f'{k} {a} -> {b}' for k, (a, b) in moved.items())}. Convert "
             "first: resume it at its own layout with checkpoint.optimizer_format=fully_reshardable and save "
             "(e.g. sft.steps / grpo.steps = its iteration + 1, checkpoint.save_interval=1), then resume here")
-    load_sharded(trainer.model, trainer.optimizer, Path(path) / MODEL_OPTIM, optimizer_format=saved_format,
-                 parallel_group=_parallel_group(trainer))
+    load_sharded(trainer.model, trainer.optimizer, Path(path) / MODEL_OPTIM, optimizer_format=saved_format)
     trainer.iteration = int(meta["iteration"])
     trainer.consumed_tokens = int(meta["consumed_tokens"])
     rng_file = Path(path) / RNG_DIR / f"rank_{trainer.ctx.rank:05d}.pt"

@@ -81,6 +81,7 @@ class Trainer:
             raise ConfigError(problems, "Trainer")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
         self.model = build_model_chunks(cfg, ctx.groups, routing_replay)
+        self.train_mtp = train_mtp
         if not train_mtp:
             freeze_mtp(self.model)
         self.ddp = wrap_ddp(cfg, self.model, self.model[0].config)

@@ -18,12 +18,8 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-    FullyParallelLoadStrategyWrapper,
-    FullyParallelSaveStrategyWrapper,
-)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     _replace_state_dict_keys_with_sharded_keys,
@@ -176,7 +172,17 @@ def _save_strategy(threads: int, parallel_group=None):
                      planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
     base = SyncTorchDistSave("torch_dist", 1)
-    return FullyParallelSaveStrategyWrapper(base, parallel_group) if parallel_group is not None else base
+    if parallel_group is None:
+        return base
+    # one wrapper per group and thread count, caching its distribution of the writes: every save after the first
+    # skips the world-wide gather of all shards' metadata (the state's structure does not change within a run)
+    key = (id(parallel_group), threads)
+    if key not in _PARALLEL_SAVES:
+        _PARALLEL_SAVES[key] = FullyParallelSaveStrategyWrapper(base, parallel_group, do_cache_distribution=True)
+    return _PARALLEL_SAVES[key]
+
+
+_PARALLEL_SAVES: dict = {}
 
 
 def optimizer_parts(optimizer) -> int:
@@ -191,17 +197,14 @@ def save_sharded(model: list, optimizer, directory: Path, *, optimizer_format: s
                       sharded_strategy=_save_strategy(threads, parallel_group))
 
 
-def load_sharded(model: list, optimizer, directory: Path, *, optimizer_format: str = "dp_reshardable",
-                 parallel_group=None) -> None:
+def load_sharded(model: list, optimizer, directory: Path, *, optimizer_format: str = "dp_reshardable") -> None:
     """Every rank: load weights and optimizer state saved by `save_sharded` in place (`optimizer_format`: the one it
-    was saved with; fully_reshardable loads at any layout, dp_reshardable at the saved one but for DP)."""
-    # Megatron's exchange of the loaded tensors allocates them on "cuda" (exchange_utils): spread on a GPU only
-    group = parallel_group if torch.cuda.is_available() else None
-    strategy = None
-    if group is not None:
-        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), group)
-    state = _dist_ckpt().load(_sharded_state(model, optimizer, True, optimizer_format), str(directory),
-                              sharded_strategy=strategy)
+    was saved with; fully_reshardable loads at any layout, dp_reshardable at the saved one but for DP).
+
+    Each rank reads its own shards: Megatron's fully parallel load would exchange every shard held by more than
+    one rank of the group over it, each rank allocating (on CUDA) the shards it then drops, about 90 GB per rank
+    at the 397B layout where each expert shard has two holders in a DP group of 32."""
+    state = _dist_ckpt().load(_sharded_state(model, optimizer, True, optimizer_format), str(directory))
     for i, chunk in enumerate(model):
         chunk.load_state_dict(state[f"model{i}"])
     _load_keeping_torch_adam_step(optimizer)

@@ -346,6 +346,9 @@ class LocalEngine(Engine):
     # -- Engine API ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._validate(request)
+        if self._released:  # SGLang would run it on unmapped memory (torch_memory_saver): a fault, the engine dies
+            raise EngineError(f"generate: the engine's {' and '.join(sorted(self._released))} are released; a "
+                              "request (or a generating health probe) must wait for resume_memory_occupation")
         self._ensure_loop()
         seed = request.sampling.seed if request.sampling.seed is not None else self.seed * 1_000_003 + next(self._counter)
         stop = set(request.sampling.stop_token_ids)
@@ -597,7 +600,8 @@ class LocalEngine(Engine):
         return {"weights": int(weights), "kv_cache": int(self.prefix.nbytes() + self.batch.nbytes())}
 
     async def health(self) -> bool:
-        return "weights" not in self._released
+        """SGLang's /ready: up and not paused (it reads no memory, so it is safe while memory is released)."""
+        return not self._paused
 
     async def get_model_info(self) -> ModelInfo:
         return ModelInfo(self.model_path, self.weight_version, True, self.runner.num_moe_layers, self.runner.top_k)

@@ -4,7 +4,7 @@ Same paths, request fields and response shapes as SGLang, so `SGLangClient` driv
 /generate (token ids in, `output_ids` + `meta_info` out), /update_weights_from_tensor,
 /update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed,
 /destroy_weights_update_group, /flush_cache, /pause_generation, /continue_generation,
-/release_memory_occupation, /resume_memory_occupation, /health, /health_generate,
+/release_memory_occupation, /resume_memory_occupation, /ready, /health (generates, as SGLang's), /health_generate,
 /get_model_info, /get_weight_version, and OpenAI-compatible /v1/chat/completions.
 Binds 127.0.0.1 unless told otherwise.
 
@@ -313,10 +313,11 @@ async def resume_memory_occupation(request: web.Request, engine: LocalEngine) ->
 
 
 @handler
-async def health(request: web.Request, engine: LocalEngine) -> web.Response:
+async def ready(request: web.Request, engine: LocalEngine) -> web.Response:
+    """SGLang's /ready: 200 while the server takes requests (not paused); generates nothing."""
     if await engine.health():
         return web.Response(text="")
-    return web.Response(status=503, text="weights are released")
+    return web.Response(status=503, text="paused")
 
 
 @handler
@@ -423,7 +424,9 @@ def _sglang_routes() -> tuple[dict, dict]:
         "/release_memory_occupation": release_memory_occupation,
         "/resume_memory_occupation": resume_memory_occupation,
     }
-    return post, {"/flush_cache": flush_cache, "/health": health, "/health_generate": health_generate,
+    # /health generates one token, as SGLang 0.5.23's does (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION defaults on)
+    return post, {"/flush_cache": flush_cache, "/ready": ready, "/health": health_generate,
+                  "/health_generate": health_generate,
                   "/get_model_info": get_model_info, "/get_weight_version": get_weight_version,
                   "/local/weights_sha256": weights_sha256, "/local/memory": memory}
 

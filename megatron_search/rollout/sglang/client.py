@@ -283,8 +283,10 @@ class SGLangClient(Engine):
         await self._call("/resume_memory_occupation", {"tags": list(tags) if tags else None})
 
     async def health(self) -> bool:
+        """Up and taking requests, without generating: GET /ready. (SGLang 0.5.23's /health runs a one-token
+        generation, which on an engine whose memory is released reads unmapped memory and kills it.)"""
         try:
-            await self._call("/health", method="GET")
+            await self._call("/ready", method="GET")
             return True
         except EngineError:
             return False
