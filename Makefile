@@ -14,7 +14,7 @@ demo: install
 
 test: install-dev
 	PYTHON=$(PY) bash scripts/fetch_vllm_contract.sh
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests  # the slowest 20 listed: the suite keeps under 25 min
 
 # Move requirements/lock.txt (and the SGLang contract's lock) to the newest releases setup.py allows, in a fresh
 # venv, and run `make test` there on them: review the diff and commit it with the test counts.
