@@ -168,6 +168,11 @@ ms_main() {
     ms_wait_healthy
   fi
   local train_nodes; train_nodes=$(IFS=,; echo "${MS_TRAIN_NODES[*]}")
+  # Training ranks only (the engines keep CUDA's default): Megatron's TP/SP communication overlap and its
+  # grad-reduce ordering rely on one hardware queue per device (tensor_parallel/layers.py), as Megatron-LM's
+  # launch scripts set. NCCL's fabric settings (NCCL_IB_*, NCCL_SOCKET_IFNAME) belong to the cluster: export them
+  # before sbatch and srun passes them on.
+  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
   # shellcheck disable=SC2086
   srun --nodes="${#MS_TRAIN_NODES[@]}" --nodelist="$train_nodes" --ntasks-per-node="$MS_TASKS_PER_NODE" \
     --overlap --kill-on-bad-exit=1 ${MS_SRUN_ARGS:-} bash -c \

@@ -32,6 +32,7 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
     from megatron_search.models import reshard
     from megatron_search.models.provider import architecture_module, build_model_chunks
     from megatron_search.rl.registry import build_policy_loss
+    from megatron_search.train.microbatches import Batching
     from megatron_search.train.policy_step import policy_update
     from megatron_search.train.rollout_batch import RolloutBatch
 
@@ -66,7 +67,7 @@ def worker(rank: int, world: int, port: int, arch_dir: str, layout: list, out: s
         ddp = wrap_ddp(cfg, chunks, chunks[0].config)
         opt = make_optimizer(cfg, ddp)
         history = policy_update(ddp, opt, batch, groups=ctx.groups, policy_loss=build_policy_loss(cfg.grpo),
-                                aggregation=cfg.grpo.loss_aggregation, micro_batch_size=1, updates=updates,
+                                aggregation=cfg.grpo.loss_aggregation, batching=Batching(rows=1), updates=updates,
                                 replay=replay)
         grads = {n.removeprefix("module."): p.main_grad.detach().clone() for m in ddp for n, p in m.named_parameters()}
         torch.save(grads, Path(out) / f"{name}_rank{rank}.pt")

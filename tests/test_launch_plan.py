@@ -70,7 +70,7 @@ def test_sbatch_script_dry_run_without_slurm():
     engine = "[node032] python -m megatron_search.rollout.sglang.serve --api-key-env MEGATRON_SEARCH_ENGINE_KEY --model-path"
     assert "world 256" in out.stdout and engine in out.stdout
     assert "engine API key: $MEGATRON_SEARCH_ENGINE_KEY in the environment" in out.stdout
-    assert "FITS" in out.stdout
+    assert "FITS" in out.stdout and "signal margin: a stop needs 80 s" in out.stdout  # tests/test_plan.py by hand
     assert key not in out.stdout + out.stderr and "--api-key " not in out.stdout
 
 

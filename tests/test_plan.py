@@ -185,7 +185,8 @@ def test_checkpoint_cost_at_the_397b_layout_by_hand():
     assert full.bytes_read == pytest.approx(want, rel=1e-12) and 13.5e12 < full.bytes_read < 14.2e12
     assert full.host_bytes_per_rank == pytest.approx(12 * max(s.params for s in make_plan(cfg, "grpo").stages))
     slow = make_plan(load_config(BIG, ["cluster.storage_gb_per_s=10"]), "grpo")
-    assert any(p.startswith("checkpoint: a save takes about 555 s") for p in slow.problems), slow.problems
+    assert any(p.startswith("preemption: a stop needs about") and "then a save 555 s" in p for p in slow.problems), \
+        slow.problems
 
 
 def test_the_slurm_scripts_give_the_preemption_notice_the_planner_assumes():
@@ -196,3 +197,47 @@ def test_the_slurm_scripts_give_the_preemption_notice_the_planner_assumes():
     for script in sorted(Path("slurm").glob("*_[0-9]*b.sh")):
         (got,) = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)$", script.read_text(), re.M)
         assert float(got) == notice, script
+
+
+def test_step_time_and_signal_margin_at_the_397b_layout_by_hand():
+    # 397B GRPO: 64 prompts x 8 rollouts at 16,384 tokens, full recompute (4 passes: 8 FLOPs per matmul parameter
+    # and token), 15 of 60 layers full attention with 32 heads x 256; 256 GPUs at 200 TFLOP/s; save from the
+    # checkpoint estimate (14 bytes per parameter at 100 GB/s).
+    cfg = load_config(BIG)
+    a = cfg.model.architecture
+    counts = count_params(a)
+    plan = make_plan(cfg, "grpo")
+    est = plan.step_time
+    assert sum(a.is_full_attention(i) for i in range(60)) == 15 and (a.num_attention_heads, a.head_dim) == (32, 256)
+    tokens = 64 * 8 * 16384
+    per_token = 8 * (active_params(a) - counts.embedding) + 4 * 15 * 4 * 8192 * 32 * 256
+    assert est.tokens == tokens and est.flops == pytest.approx(per_token * tokens, rel=1e-12)
+    assert est.step_s == pytest.approx(per_token * tokens / (256 * 200e12), rel=1e-12) and 20 < est.step_s < 30
+    assert est.save_s == plan.checkpoint.save_s and est.margin_s == est.step_s + est.save_s < 300
+    assert plan.fits
+    # a slower filesystem and GPU: the stop no longer fits the notice, and the plan says by how much
+    slow = make_plan(load_config(BIG, ["cluster.storage_gb_per_s=10", "cluster.train_tflops_per_gpu=100"]), "grpo")
+    assert slow.step_time.step_s == pytest.approx(2 * est.step_s, rel=1e-12)
+    (problem,) = [p for p in slow.problems if p.startswith("preemption:")]
+    assert f"a stop needs about {slow.step_time.margin_s:.0f} s" in problem and "300 s of notice" in problem
+
+
+def test_sft_step_time_counts_the_packed_global_batch():
+    cfg = load_config("configs/qwen3_5_397b_a17b_sft.yaml")
+    a = cfg.model.architecture
+    est = make_plan(cfg, "sft").step_time
+    assert est.tokens == 128 * 16384
+    per_token = 8 * (active_params(a) - count_params(a).embedding) + 4 * 15 * 4 * 8192 * 32 * 256
+    assert est.step_s == pytest.approx(per_token * est.tokens / (128 * 200e12), rel=1e-12)
+
+
+def test_a_token_budget_prices_its_micro_batch_as_the_longer_of_budget_and_row():
+    # train/microbatches.py packs rows up to the budget, a row longer than the budget alone: the activation peak is
+    # that of max(budget, max_total_tokens) tokens, whatever micro_batch_size says
+    base = ["grpo.max_tokens_per_micro_batch=null", "rollout.max_total_tokens=16384"]
+    one = make_plan(load_config(BIG, base + ["grpo.micro_batch_size=1"]), "grpo").stages
+    two = make_plan(load_config(BIG, base + ["grpo.micro_batch_size=2"]), "grpo").stages
+    assert [s.activations for s in make_plan(load_config(BIG), "grpo").stages] == [s.activations for s in one]
+    wide = make_plan(load_config(BIG, ["grpo.max_tokens_per_micro_batch=32768", "grpo.micro_batch_size=7"]),
+                     "grpo").stages
+    assert [s.activations for s in wide] == [s.activations for s in two]

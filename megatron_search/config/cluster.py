@@ -27,6 +27,10 @@ class ClusterConfig(Section):
     preemption_notice_s: PositiveFloat = Field(
         300.0, description="seconds between Slurm's preemption signal and the kill (`#SBATCH --signal=B:USR1@300` "
         "in slurm/*.sh): the step in flight and a checkpoint must fit in it")
+    train_tflops_per_gpu: PositiveFloat = Field(
+        200.0, description="the throughput a training GPU sustains, TFLOP/s of the model's FLOPs recompute included "
+        "(an assumption: Megatron-Core reports 253 FP8 for Qwen3-235B on H100; measure yours); the planner's step "
+        "time and preemption margin")
     memory_headroom_gib: float = Field(
         6.0, ge=0.0, description="per-GPU reserve for the CUDA context, NCCL buffers and fragmentation"
     )

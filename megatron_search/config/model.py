@@ -77,8 +77,28 @@ class ModelConfig(Section):
         "Megatron as None, its 'off')"
     )
     moe_token_dispatcher: Literal["auto", "allgather", "alltoall", "flex"] = Field(
-        "auto", description="auto: alltoall on GPU, allgather on CPU (alltoall needs CUDA streams)"
+        "auto", description="auto: alltoall on GPU, allgather on CPU (alltoall needs CUDA streams); flex: Megatron's "
+        "fused all-to-all through model.moe_flex_dispatcher_backend (needs its package, a GPU and TP x EP > 1; "
+        "checked when the model is built)"
     )
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = Field(
+        "deepep", description="with moe_token_dispatcher=flex: DeepEP (the deep_ep package's Buffer) or HybridEP "
+        "(deep_ep's HybridEPBuffer); Megatron-Core 0.16.1's moe_flex_dispatcher_backend, which replaces its deprecated "
+        "moe_enable_deepep")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = Field(
+        None, description="dtype of the router's logits, softmax and the experts' weighted sum (Megatron's "
+        "moe_router_dtype); None = the parameters' dtype. The GPU configs use fp32, as slime's MoE scripts do")
+    moe_permute_fusion: bool = Field(
+        False, description="fused token permutation in the dispatcher (Megatron's moe_permute_fusion; needs "
+        "Transformer Engine >= 2.1's moe_permute ops: refused when the model is built without them)")
+    fusions: Literal["auto", "off"] = Field(
+        "auto", description="Megatron's fused kernels. auto: on a GPU, each fusion whose prerequisite is present "
+        "(gradient_accumulation_fusion: the fused_weight_gradient_mlp_cuda extension; apply_rope_fusion: TE's fused "
+        "RoPE; bias_activation_fusion, bias_dropout_fusion: Megatron's jit fusions), logged at model build; none on "
+        "CPU. off: none (docs/ARCHITECTURE.md, 'Throughput settings')")
+    require_te: bool = Field(
+        False, description="refuse to build the model without Transformer Engine specs (instead of falling back to "
+        "local specs and a per-expert loop); checked when the model is built, not when the config is loaded")
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +149,9 @@ class ModelConfig(Section):
         if self.recompute_modules is not None and self.recompute != "selective":
             raise ValueError(f"model.recompute_modules: {self.recompute_modules} applies to recompute=selective only "
                              f"(recompute={self.recompute!r})")
+        if self.require_te and self.transformer_impl == "local":
+            raise ValueError("model.require_te: true asks for Transformer Engine specs, model.transformer_impl=local "
+                             "refuses them; set one of them differently")
         return self
 
     def resolved_hf_config(self) -> Path:
@@ -245,6 +268,15 @@ class ParallelConfig(Section):
         None, description="expected world size; checked against TP*PP*CP*DP when given and at launch"
     )
     distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = Field(
+        False, description="Megatron DDP launches each gradient bucket's all-reduce / reduce-scatter during the "
+        "backward of the last micro-batch, as soon as the bucket is complete (DistributedDataParallelConfig."
+        "overlap_grad_reduce); off: all of them after the backward")
+    overlap_param_gather: bool = Field(
+        False, description="the distributed optimizer's parameter all-gather runs bucket by bucket during the next "
+        "forward (DistributedDataParallelConfig.overlap_param_gather); needs distributed_optimizer and "
+        "overlap_grad_reduce. Between optimizer.step() and that forward the parameters outside this rank's shard "
+        "are stale: checkpoint saves and weight exports force the gather first (models/provider.py sync_params)")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPU, gloo on CPU")
     phase_timeout_s: float = Field(
         6 * 3600.0, gt=0, description="timeout of the host (gloo) group over every rank that carries GRPO's phase "
@@ -255,6 +287,18 @@ class ParallelConfig(Section):
     def sequence_multiple(self) -> int:
         """Training sequence lengths must be a multiple of this: sequence parallelism splits them over TP."""
         return self.tp if self.sequence_parallel else 1
+
+    @model_validator(mode="after")
+    def _param_gather_overlap_needs(self):
+        # Megatron-LM's arguments.py refuses the same: the overlapped gather is the distributed optimizer's, and its
+        # buckets are dispatched from the grad-sync bookkeeping that overlap_grad_reduce sets up.
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("parallel.overlap_param_gather: overlaps the distributed optimizer's parameter all-gather; "
+                             "set parallel.distributed_optimizer=true or parallel.overlap_param_gather=false")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("parallel.overlap_param_gather: needs parallel.overlap_grad_reduce=true (as Megatron-LM "
+                             "requires); set both or neither")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,13 @@ class GRPOConfig(Section):
     steps: PositiveInt = 100
     prompts_per_step: PositiveInt = 32
     group_size: PositiveInt = Field(8, description="G rollouts per prompt")
-    micro_batch_size: PositiveInt = 1
+    micro_batch_size: PositiveInt = Field(1, description="rollouts per micro-batch (without max_tokens_per_micro_batch)")
+    max_tokens_per_micro_batch: Optional[PositiveInt] = Field(
+        None, description="token budget per micro-batch (rows x width, after trim_padding): rows sorted by length, as "
+        "many per micro-batch as fit, a longer row alone (slime's --max-tokens-per-gpu); None = micro_batch_size rows")
+    trim_padding: bool = Field(
+        True, description="cut each micro-batch to its longest row's last trained token (rounded up to "
+        "parallel.sequence_multiple) instead of the batch's longest: the same loss on fewer positions")
     updates_per_batch: PositiveInt = Field(
         1, description="optimizer steps per rollout batch; >1 makes pi_old enter through PPO clipping"
     )

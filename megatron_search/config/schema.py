@@ -321,6 +321,14 @@ def _grpo_problems(cfg: Config, inputs: bool) -> list[str]:
                    "carry no signal; GRPO needs a temperature > 0")
     if not any(w > 0 for w in d.mix.values()):
         out.append(f"data.mix: {d.mix} gives no dataset a positive weight; GRPO has no prompts")
+    p = cfg.parallel
+    if g.max_tokens_per_micro_batch is not None and cfg.model.moe_token_dispatcher == "allgather" and \
+            (p.ep > 1 or p.pp > 1):
+        # Megatron refuses variable_seq_lengths with allgather (PP), and the allgather dispatcher gathers equal
+        # token counts over the expert-parallel group (EP): micro-batches of varying rows cannot run there
+        out.append(f"grpo.max_tokens_per_micro_batch: micro-batches of varying rows need Megatron's variable shapes, "
+                   f"which the allgather MoE dispatcher refuses with EP={p.ep} PP={p.pp}; use "
+                   f"model.moe_token_dispatcher=alltoall (or auto on GPU), or grpo.micro_batch_size without a budget")
     if not inputs:
         return out
     if not cfg.rm.load:

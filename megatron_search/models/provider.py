@@ -25,7 +25,7 @@ from megatron_search.distributed import cpu_compat
 from megatron_search.distributed.stages import chunk_stage_flags, rank_in, require_model_parallel
 
 from .mtp import MTPGPTModel
-from .provider_common import ProviderError
+from .provider_common import ProviderError, fusion_settings, log_fusions
 from .specs import use_transformer_engine
 
 ARCHITECTURES: dict[str, str] = {
@@ -55,7 +55,7 @@ def transformer_config_from_hf(cfg, routing_replay: bool = False):
     `routing_replay` (RECIPE 3, GRPO's grpo.routing_replay): every router gets a RouterReplay that can force the
     engine's experts."""
     module, raw, where = architecture_module(cfg)
-    use_te = use_transformer_engine(cfg.model.transformer_impl)
+    use_te = use_transformer_engine(cfg.model.transformer_impl, cfg.model.require_te)
     kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
     kwargs["moe_enable_routing_replay"] = routing_replay
     return getattr(module, "config_class", TransformerConfig)(**kwargs)
@@ -68,7 +68,7 @@ def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool
     require_model_parallel("build_model")
     module, raw, where = architecture_module(cfg)
     hf = text_config(raw)
-    use_te = use_transformer_engine(cfg.model.transformer_impl)
+    use_te = use_transformer_engine(cfg.model.transformer_impl, cfg.model.require_te)
     config = config if config is not None else transformer_config_from_hf(cfg)
     if cfg.parallel.vpp is not None and vp_stage is None:
         raise ValueError("build_model: parallel.vpp is set, pass vp_stage (or use build_model_chunks)")
@@ -102,6 +102,31 @@ def build_model_chunks(cfg, groups, routing_replay: bool = False) -> list:
     """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP); `routing_replay`: see
     transformer_config_from_hf."""
     config = transformer_config_from_hf(cfg, routing_replay)
+    log_fusions(*fusion_settings(cfg.model.fusions, torch.cuda.is_available()))
     if cfg.parallel.vpp is None:
         return [build_model(cfg, groups, config=config)]
     return [build_model(cfg, groups, vp_stage=v, config=config) for v in range(cfg.parallel.vpp)]
+
+
+_PARAM_SYNC = "_megatron_search_param_sync"
+
+
+def attach_param_sync(chunk, sync) -> None:
+    """Give a model chunk the call that makes its parameters current (trainer/step.wrap_ddp under
+    parallel.overlap_param_gather: its DDP's start_param_sync(force_sync=True)); kept out of the module tree."""
+    chunk.__dict__[_PARAM_SYNC] = sync
+
+
+def sync_params(chunks) -> None:
+    """Make every parameter current after optimizer.step() under parallel.overlap_param_gather (a no-op without it).
+
+    The distributed optimizer updates only this rank's shard; with the overlapped gather the other shards arrive
+    during the next forward (DDP's forward pre-hooks), so a reader outside a forward (checkpoint save, weight
+    export) would see the previous step's values. Megatron-LM forces the gather before its saves and after the last
+    step (training.py force_param_sync: start_param_sync(force_sync=True), which waits for a gather in flight or
+    runs a synchronous one); so do the trainer's save and the exporter. Collective over each chunk's data-parallel
+    group: call it on every rank. Takes the chunks wrap_ddp wrapped or their DDP wrappers."""
+    for chunk in chunks:
+        sync = getattr(chunk, "module", chunk).__dict__.get(_PARAM_SYNC)
+        if sync is not None:
+            sync()

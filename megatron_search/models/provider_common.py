@@ -1,9 +1,25 @@
-"""TransformerConfig fields shared by every architecture: parallel layout, precision, CPU choices."""
+"""TransformerConfig fields shared by every architecture: parallel layout, precision, fusions, MoE dispatch.
+
+Fusions (model.fusions=auto) are switched on one by one where Megatron-Core 0.16.1 can run them, each
+prerequisite read from its source: gradient_accumulation_fusion needs the fused_weight_gradient_mlp_cuda
+extension (apex; tensor_parallel/layers.py raises in ColumnParallelLinear without it, even beside TE, whose
+linears use their own kernel) and main_grad buffers (Megatron DDP, fp32 here: trainer/step.py);
+apply_rope_fusion needs TE's fused RoPE (rope_utils.fused_apply_rotary_pos_emb, TE >= 1.4);
+bias_activation_fusion (SwiGLU) and bias_dropout_fusion are Megatron's own jit fusions. masked_softmax_fusion
+and persist_layer_norm stay off: only DotProductAttention (whose core attention our local specs route through
+SDPA, and the TE specs replace) and apex's FusedLayerNorm (LayerNorm; ours are RMSNorm) read them.
+"""
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+import logging
+from typing import Any, Callable
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer.moe import fused_a2a
+
+log = logging.getLogger(__name__)
 
 
 class ProviderError(ValueError):
@@ -33,11 +49,101 @@ def moe_dispatcher(choice: str, on_gpu: bool) -> str:
     return choice
 
 
+def _flex_backend_present(backend: str) -> bool:
+    """Megatron's own probe: fused_a2a imports deep_ep's Buffer (deepep) or HybridEPBuffer (hybridep)."""
+    return bool(fused_a2a.HAVE_DEEP_EP if backend == "deepep" else fused_a2a.HAVE_HYBRIDEP)
+
+
+def flex_problems(m, p, backend_present: Callable[[str], bool] = _flex_backend_present) -> list[str]:
+    """Why the flex dispatcher cannot run for this model/layout (empty: it can). Megatron-Core 0.16.1 would fail
+    later and less clearly: ImportError in _DeepepManager, an assert on TP x EP > 1 in MoEFlexTokenDispatcher."""
+    out = []
+    if p.tp * p.ep == 1:
+        out.append("model.moe_token_dispatcher: flex needs TP x EP > 1 (Megatron's MoEFlexTokenDispatcher), got "
+                   "TP=1 EP=1; use alltoall")
+    if not backend_present(m.moe_flex_dispatcher_backend):
+        what = "deep_ep (DeepEP, github.com/deepseek-ai/DeepEP)" if m.moe_flex_dispatcher_backend == "deepep" \
+            else "deep_ep with HybridEPBuffer (DeepEP's hybrid-ep branch)"
+        out.append(f"model.moe_token_dispatcher: flex with moe_flex_dispatcher_backend="
+                   f"{m.moe_flex_dispatcher_backend!r} needs {what}, which is not importable; install it or use "
+                   f"alltoall")
+    return out
+
+
+def _te_permute_present() -> bool:
+    """Megatron's own probe (transformer_config.py, moe_permute_fusion): TE's five moe_permute/unpermute ops."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    # optional: transformer_engine (the probe runs only where TE is installed)
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    return all(getattr(te_ext, n, None) is not None for n in (
+        "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs", "fused_unpermute"))
+
+
+def permute_fusion_problems(m, permute_present: Callable[[], bool] = _te_permute_present) -> list[str]:
+    if m.moe_permute_fusion and not permute_present():
+        return ["model.moe_permute_fusion: needs Transformer Engine >= 2.1 (its moe_permute ops, "
+                "transformer_engine.pytorch.permutation), which is not importable; install the gpu extra or set "
+                "model.moe_permute_fusion=false"]
+    return []
+
+
+FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+           "apply_rope_fusion", "persist_layer_norm")
+# Off whatever is installed: no module of our specs reads them (module docstring).
+_UNUSED = {
+    "masked_softmax_fusion": "read only by Megatron's DotProductAttention: the TE specs use TEDotProductAttention, "
+                             "the local specs torch SDPA",
+    "persist_layer_norm": "read only by apex's FusedLayerNorm (LayerNorm); our norms are RMSNorm",
+}
+
+
+def _grad_accum_extension_present() -> bool:
+    # the module tensor_parallel/layers.py imports (its _grad_accum_fusion_available)
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def _te_rope_present() -> bool:
+    # the name transformer_config.py checks for apply_rope_fusion (None without TE >= 1.4)
+    return rope_utils.fused_apply_rotary_pos_emb is not None
+
+
+def fusion_settings(choice: str, on_gpu: bool, grad_accum_present: Callable[[], bool] = _grad_accum_extension_present,
+                    te_rope_present: Callable[[], bool] = _te_rope_present) -> tuple[dict[str, bool], dict[str, str]]:
+    """({fusion: on} for the six TransformerConfig flags, {fusion: why it is off}) for model.fusions=`choice`."""
+    if choice == "off":
+        return dict.fromkeys(FUSIONS, False), dict.fromkeys(FUSIONS, "model.fusions=off")
+    if not on_gpu:
+        return dict.fromkeys(FUSIONS, False), dict.fromkeys(FUSIONS, "no GPU (the fused kernels are CUDA kernels)")
+    why = dict(_UNUSED)
+    if not grad_accum_present():
+        why["gradient_accumulation_fusion"] = ("the fused_weight_gradient_mlp_cuda extension (apex --cuda_ext) is not "
+                                               "importable; Megatron's ColumnParallelLinear refuses the fusion without it")
+    if not te_rope_present():
+        why["apply_rope_fusion"] = "Transformer Engine's fused RoPE (TE >= 1.4) is not importable"
+    return {f: f not in why for f in FUSIONS}, why
+
+
+def log_fusions(on: dict[str, bool], why: dict[str, str]) -> str:
+    """One line naming the fusions on and, for each one off, why; logged where the model is built."""
+    line = ("fusions on: " + (", ".join(f for f in FUSIONS if on[f]) or "none") + "; off: "
+            + "; ".join(f"{f} ({why[f]})" for f in FUSIONS if not on[f]))
+    log.info(line)
+    return line
+
+
 def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
     """Parallel layout + precision + fusions off on CPU; architecture modules add their fields."""
     p, m = cfg.parallel, cfg.model
     on_gpu = torch.cuda.is_available()
     dtype = _DTYPES[m.params_dtype]
+    dispatcher = moe_dispatcher(m.moe_token_dispatcher, on_gpu)
+    problems = permute_fusion_problems(m) + (flex_problems(m, p) if dispatcher == "flex" else [])
+    if problems:
+        raise ProviderError("; ".join(problems))
+    fusions, _ = fusion_settings(m.fusions, on_gpu)
     recompute = {}
     if m.recompute == "full":
         recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -68,17 +174,18 @@ def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
         # None is Megatron's "off"; 0.0 would still run the z-loss (and log z_loss / 0).
         moe_z_loss_coeff=m.moe_z_loss_coeff if m.moe_z_loss_coeff > 0 else None,
         mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
-        moe_token_dispatcher_type=moe_dispatcher(m.moe_token_dispatcher, on_gpu),
+        moe_token_dispatcher_type=dispatcher,
+        # GRPO's micro-batches each have their own width (train/microbatches.py): pipeline stages then send
+        # their shapes first. Megatron refuses it with the allgather dispatcher; policy_step then cuts every
+        # micro-batch of a step to one width.
+        variable_seq_lengths=p.pp > 1 and dispatcher != "allgather",
         # Grouped GEMM needs TE kernels; otherwise experts run as a loop of plain MLPs (SequentialMLP).
         moe_grouped_gemm=use_te,
-        # Fused kernels are CUDA-only; TE's apply them anyway where available.
+        moe_router_dtype=m.moe_router_dtype,
+        moe_permute_fusion=m.moe_permute_fusion,
+        **({"moe_flex_dispatcher_backend": m.moe_flex_dispatcher_backend} if dispatcher == "flex" else {}),
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **fusions,  # model.fusions: fusion_settings (module docstring); none on CPU
         # Batched p2p posts send/recv to prev and to next in one batch; with VPP and PP=2 prev and
         # next are the same peer, messages match by order rather than meaning and activations and
         # gradients get swapped (seen on gloo: wrong loss). Megatron's unbatched path orders them.

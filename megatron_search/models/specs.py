@@ -26,15 +26,21 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def use_transformer_engine(transformer_impl: str) -> bool:
-    """Resolve cfg.model.transformer_impl ('auto' | 'local' | 'transformer_engine')."""
+def use_transformer_engine(transformer_impl: str, require_te: bool = False) -> bool:
+    """Resolve cfg.model.transformer_impl ('auto' | 'local' | 'transformer_engine'); with cfg.model.require_te a
+    build without TE specs is refused (the GPU configs: local specs there would run the experts as a per-expert
+    loop, SequentialMLP, and without TE's fused kernels)."""
     if transformer_impl == "local":
         return False
-    if transformer_impl == "transformer_engine":
+    if transformer_impl == "transformer_engine" or require_te:
         if not te_available():
+            field = "model.require_te: true" if require_te else "model.transformer_impl: 'transformer_engine'"
+            undo = "model.require_te=false" if require_te else "model.transformer_impl=local"
             raise RuntimeError(
-                "model.transformer_impl: 'transformer_engine' needs Transformer Engine and a GPU; "
-                "install the gpu extra or set model.transformer_impl=local"
+                f"{field} needs Transformer Engine and a GPU (found: transformer_engine "
+                f"{'importable' if importlib.util.find_spec('transformer_engine') else 'not importable'}, "
+                f"{'a' if torch.cuda.is_available() else 'no'} GPU); install the gpu extra, or set {undo} to build "
+                "local specs (experts as a per-expert loop, no fused kernels)"
             )
         return True
     return te_available()

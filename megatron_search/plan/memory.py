@@ -100,6 +100,7 @@ class Plan:
     sync: object | None = None  # plan.weight_sync.SyncReport (GRPO)
     phases: list[PhaseMemory] = field(default_factory=list)  # colocated GRPO, on the peak stage's GPU
     checkpoint: object | None = None  # plan.checkpoint.CheckpointEstimate
+    step_time: object | None = None  # plan.step_time.StepTimeEstimate
 
     @property
     def fits(self) -> bool:
@@ -142,6 +143,8 @@ def training_memory(cfg: Config, stage_kind: str, dp: int, counts: ParamCounts) 
         mbs, seq = cfg.sft.micro_batch_size, cfg.sft.seq_length
     else:
         mbs, seq = cfg.grpo.micro_batch_size, cfg.rollout.max_total_tokens
+        if cfg.grpo.max_tokens_per_micro_batch is not None:  # train/microbatches.py: rows x width <= budget, a longer
+            mbs, seq = 1, max(cfg.grpo.max_tokens_per_micro_batch, seq)  # row alone
     pbytes = DTYPE_BYTES[cfg.model.params_dtype]
     gbytes = 4 if o.main_grads_fp32 else pbytes
     dense_shard = dp * p.cp if p.distributed_optimizer else 1
@@ -217,10 +220,14 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
     from .checkpoint import checkpoint_estimate  # start-up: plan/checkpoint.py imports this module (import cycle)
 
     plan.checkpoint = checkpoint_estimate(cfg, plan)
-    if plan.checkpoint.save_s > c.preemption_notice_s:
-        problems.append(f"checkpoint: a save takes about {plan.checkpoint.save_s:.0f} s at the configured filesystem "
-                        f"bandwidth, more than the {c.preemption_notice_s:.0f} s of preemption notice "
-                        "(cluster.preemption_notice_s, the scripts' --signal); raise both, or save more often")
+    from .step_time import step_time  # as checkpoint_estimate
+
+    plan.step_time = step_time(cfg, stage_kind, counts, train_gpus, plan.checkpoint.save_s)
+    if plan.step_time.margin_s > c.preemption_notice_s:
+        problems.append(f"preemption: a stop needs about {plan.step_time.margin_s:.0f} s (the update in flight "
+                        f"{plan.step_time.step_s:.0f} s, then a save {plan.checkpoint.save_s:.0f} s at the configured "
+                        f"filesystem bandwidth), more than the {c.preemption_notice_s:.0f} s of notice "
+                        "(cluster.preemption_notice_s, the scripts' --signal); raise both, or shorten the step")
     usable = (c.gpu_mem_gib - c.memory_headroom_gib) * GIB
     peak = plan.peak_stage
     if peak.total > usable:

@@ -30,6 +30,10 @@ def format_plan(plan: Plan, title: str) -> str:
         from .checkpoint import format_checkpoint  # start-up: as memory.py imports it (plan/checkpoint.py imports memory)
 
         lines.append(format_checkpoint(plan.checkpoint))
+    if plan.step_time is not None:
+        from .step_time import format_step_time  # as format_checkpoint
+
+        lines.append(format_step_time(plan.step_time))
     if plan.sync is not None:
         from .weight_sync import format_sync_report  # start-up: as in memory.py, only with a sync report
 

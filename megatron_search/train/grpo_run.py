@@ -44,6 +44,7 @@ from .grpo_metrics import rollout_metrics
 from .grpo_preference import build_preference
 from .initial_weights import load_initial_weights
 from .grpo_sync import build_weight_sync, save_hf_weights
+from .microbatches import Batching
 from .policy_step import policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
 from .scoring import preference_inputs, score_rollouts
@@ -74,6 +75,8 @@ class GRPORun:
                                routing_replay=cfg.grpo.routing_replay)
         self.dp = size_of(ctx.groups.dp)
         self.policy_loss = build_policy_loss(cfg.grpo)
+        self.batching = Batching(rows=cfg.grpo.micro_batch_size, max_tokens=cfg.grpo.max_tokens_per_micro_batch,
+                                 multiple=cfg.parallel.sequence_multiple, trim=cfg.grpo.trim_padding)
         self.stop = StopRequest()
         self.stopping = False  # a stop signal on any rank, agreed by finished()
         self.driver = self.sampler = None
@@ -186,9 +189,9 @@ class GRPORun:
         t0 = time.perf_counter()
         history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
             ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
-            aggregation=g.loss_aggregation, micro_batch_size=g.micro_batch_size, updates=g.updates_per_batch,
+            aggregation=g.loss_aggregation, batching=self.batching, updates=g.updates_per_batch,
             replay=g.routing_replay, temperature=training_temperature(self.cfg.rollout),
-            check_values=g.check_loss_values))
+            check_values=g.check_loss_values, norm_tokens=g.loss_norm_tokens))
         dt = time.perf_counter() - t0
         m = self.metrics
         m.update({f"train/{k}": v for k, v in (history[-1] if history else {}).items()})

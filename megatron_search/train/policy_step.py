@@ -24,6 +24,7 @@ from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
 from megatron_search.models.routing_replay import ExpertRecorder, RoutingReplay, recorded_agreement
 from megatron_search.models.wrappers import unwrap
 
+from .microbatches import Batching, build_microbatches, padding_counts, padding_metrics, plan_groups, trained_lengths
 from .rollout_batch import RolloutBatch
 
 
@@ -31,13 +32,14 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float:
-    """Global count the aggregation divides by, summed over data-parallel ranks."""
+def global_denominator(mbs: list[RolloutBatch], aggregation: str, dp_group) -> float:
+    """Global count the aggregation divides by (trained tokens, or sequences with one) over one optimizer
+    step's micro-batches, summed over data-parallel ranks."""
     if aggregation == "token_mean":
-        local = batch.mask_BS.sum()
+        local = sum(float(mb.mask_BS.sum()) for mb in mbs)
     else:
-        local = (batch.mask_BS.sum(-1) > 0).sum().to(torch.float32)
-    total = local.to(torch.float64).clone()
+        local = sum(float((mb.mask_BS.sum(-1) > 0).sum()) for mb in mbs)
+    total = torch.tensor(local, dtype=torch.float64)
     if dist.is_initialized():
         coll.all_reduce(total, group=dp_group)
     return float(total)
@@ -45,10 +47,13 @@ def global_denominator(batch: RolloutBatch, aggregation: str, dp_group) -> float
 
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
                       logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
-                      replay=None, agreement=None, temperature: float = 1.0, check_values: bool = True):
+                      replay=None, agreement=None, temperature: float = 1.0, check_values: bool = True,
+                      norm_tokens: Optional[int] = None):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
 
     `check_values`: the fused logprob checks the targets' range (host syncs; grpo.check_loss_values).
+    `norm_tokens`: seq_mean_token_sum_norm's constant, fixed for the whole batch (a micro-batch's own width
+    is cut to its longest row, train/microbatches.py).
 
     `temperature`: the logits are divided by it before the log-softmax, so log pi_train is of the
     distribution the engine sampled from and reported (logits / T); 1.0 leaves them untouched.
@@ -99,8 +104,9 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
                 # per-token statistics are undefined here and left out of their means (reduce_metrics).
                 return output.sum() * 0.0, {"loss": torch.zeros((), dtype=torch.float32, device=output.device)}
             logp_old = None if logp_old_mbs is None else logp_old_mbs[i]
+            extra = {"norm_tokens": norm_tokens} if norm_tokens is not None else {}
             loss, metrics = policy_loss(out.logp, mb.logp_infer_BS, mb.advantages_B, mb.mask_BS,
-                                        logp_old=logp_old, denominator=denominator)
+                                        logp_old=logp_old, denominator=denominator, **extra)
             metrics = {k: v.detach().float() for k, v in metrics.items()}
             # loss * scale averaged over every micro-batch and DP rank is the global objective.
             metrics["loss"] = (loss * scale).detach().float()
@@ -114,10 +120,69 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
 
 
 def split_microbatches(batch: RolloutBatch, micro_batch_size: int) -> list[RolloutBatch]:
+    """`micro_batch_size` rows each, in order, at the batch's width (no sorting, no cut)."""
     n = batch.size
     if n % micro_batch_size:
         raise ValueError(f"{n} rollouts on this rank are not a multiple of grpo.micro_batch_size={micro_batch_size}")
     return [batch.slice(i, i + micro_batch_size) for i in range(0, n, micro_batch_size)]
+
+
+def shape_rule(model_config, dp: int) -> str:
+    """What Megatron allows micro-batch shapes to do here:
+    'free'     each its own rows and width;
+    'agreed'   micro-batch j has one width on every data-parallel rank: the allgather dispatcher gathers equal
+               shapes over the expert-parallel group (whose ranks are DP ranks), and refuses variable lengths;
+    'uniform'  one width per optimizer step (and agreed): pipeline stages exchange activations of one fixed
+               shape unless variable_seq_lengths is set, which Megatron refuses with the allgather dispatcher."""
+    moe = bool(getattr(model_config, "num_moe_experts", None))
+    gathered = moe and model_config.moe_token_dispatcher_type == "allgather" and \
+        model_config.expert_model_parallel_size > 1 and dp > 1
+    if model_config.pipeline_model_parallel_size > 1 and not model_config.variable_seq_lengths:
+        return "uniform"
+    return "agreed" if gathered else "free"
+
+
+def plan_microbatches(batch: RolloutBatch, updates: int, batching: Batching, rule: str,
+                      dp_group) -> list[list[RolloutBatch]]:
+    """This rank's micro-batches of each optimizer step (train/microbatches.py), shaped as `rule` allows. Every
+    data-parallel rank runs the same number per step; under 'agreed'/'uniform' the widths are agreed too."""
+    if batch.size % updates:
+        raise ValueError(f"{batch.size} rollouts per rank do not split into grpo.updates_per_batch={updates} steps")
+    if batching.max_tokens is not None and rule != "free":
+        raise ValueError("grpo.max_tokens_per_micro_batch: micro-batches of varying rows need Megatron's variable "
+                         "shapes, which it refuses with the allgather MoE dispatcher (model.moe_token_dispatcher: "
+                         "use alltoall or flex on GPU) and, under PP, without variable_seq_lengths")
+    agree = (lambda n: int(_agreed_max(torch.tensor([n]), dp_group)[0])) if size_of(dp_group) > 1 else None
+    per, full = batch.size // updates, batch.tokens_BS.shape[1]
+    steps = []
+    for u in range(updates):
+        part = batch.slice(u * per, (u + 1) * per)
+        lengths = trained_lengths(part.mask_BS)
+        groups, inert = plan_groups(lengths, batching.rows, batching.max_tokens, batching.multiple, full, agree)
+        mbs = build_microbatches(part, groups, inert, batching.multiple, batching.trim)
+        if batching.trim and rule != "free":
+            widths = torch.tensor([mb.tokens_BS.shape[1] for mb in mbs])
+            if rule == "uniform":
+                widths = widths.max().expand(len(mbs)).clone()
+            if size_of(dp_group) > 1:
+                widths = _agreed_max(widths, dp_group)
+            mbs = [_at_width(mb, part, g, w) for mb, g, w in zip(mbs, groups + [None] * inert, widths.tolist())]
+        steps.append(mbs)
+    return steps
+
+
+def _agreed_max(t: torch.Tensor, dp_group) -> torch.Tensor:
+    t = t.to(torch.int64)
+    if dist.is_initialized():
+        coll.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+    return t
+
+
+def _at_width(mb: RolloutBatch, part: RolloutBatch, rows: Optional[list[int]], width: int) -> RolloutBatch:
+    """Micro-batch `mb` (of `rows` of `part`; None: an inert one) at an agreed `width`, at least its own."""
+    if mb.tokens_BS.shape[1] == width:
+        return mb
+    return part.select(rows).cut(width) if rows is not None else part.select([0]).cut(width).inert()
 
 
 def run_schedule(chunks: list, forward_step, mbs: list[RolloutBatch], forward_only: bool) -> list[dict]:
@@ -170,65 +235,72 @@ def reduce_metrics(per_mb: list[dict], pp_group, dp_group, is_last_stage: bool) 
 
 
 def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, policy_loss: Callable, aggregation: str,
-                  micro_batch_size: int, updates: int = 1, replay: bool = True,
-                  temperature: float = 1.0, check_values: bool = True) -> list[dict[str, float]]:
+                  batching: Batching, updates: int = 1, replay: bool = True, temperature: float = 1.0,
+                  check_values: bool = True, norm_tokens: Optional[int] = None) -> list[dict[str, float]]:
     """`updates` optimizer steps on this data-parallel rank's share of a rollout batch (`groups`: this rank's
-    process groups, DistContext.groups).
+    process groups, DistContext.groups), in micro-batches as `batching` says (train/microbatches.py).
 
     With updates > 1 the batch is split into that many equal parts (one optimizer step each) and
     pi_old is the policy before the first step (computed once, forward only), so PPO clipping
     applies from the second part on; with updates == 1 the loss is the plain token-IS objective.
-    `temperature` scales the logits as the engine's sampling did (make_forward_step).
-    Returns one metrics dict per optimizer step (identical on every rank).
+    `temperature` scales the logits as the engine's sampling did (make_forward_step). `norm_tokens`:
+    seq_mean_token_sum_norm's constant (grpo.loss_norm_tokens); None = the batch's padded width, as before any
+    micro-batch is cut. Returns one metrics dict per optimizer step (identical on every rank).
     """
     tp_group = groups.tp if size_of(groups.tp) > 1 else None
     dp_group, pp_group = groups.dp, groups.pp
     dp = size_of(groups.dp)
     last = is_last_stage(groups)
-    mbs = split_microbatches(batch, micro_batch_size)
+    config = unwrap(chunks[0]).config
+    steps = plan_microbatches(batch, updates, batching, shape_rule(config, dp), dp_group)
     replay_ctl = agreement = None
     if batch.routed_experts_BSLK is not None:
-        where = (rank_in(groups.tp), size_of(groups.tp), unwrap(chunks[0]).config.sequence_parallel)
+        where = (rank_in(groups.tp), size_of(groups.tp), config.sequence_parallel)
         layers = batch.moe_layers()  # the global layer of each expert column (this rank's stage, BatchScatter)
         if replay:
             replay_ctl = RoutingReplay(chunks, layers, tp_rank=where[0], tp_size=where[1], sequence_parallel=where[2])
         agreement = (*where, layers)
+    loss = dict(policy_loss=policy_loss, aggregation=aggregation, tp_group=tp_group, temperature=temperature,
+                check_values=check_values, norm_tokens=norm_tokens or batch.tokens_BS.shape[1])
     try:
-        return _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay_ctl, agreement, tp_group,
-                        dp_group, pp_group, dp, last, temperature, check_values)
+        history = _updates(chunks, optimizer, steps, loss, replay_ctl, agreement, dp_group, pp_group, dp, last)
     finally:
         if replay_ctl is not None:
             replay_ctl.clear()
+    flat = [mb for mbs in steps for mb in mbs]
+    counts = torch.tensor(padding_counts(flat, batch.tokens_BS.shape[1]), dtype=torch.float64)
+    if dist.is_initialized() and dp > 1:
+        coll.all_reduce(counts, group=dp_group)
+    stats = padding_metrics(counts.tolist(), len(flat), dp)
+    for h in history:
+        h.update(stats)
+    return history
 
 
-def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, agreement, tp_group, dp_group,
-             pp_group, dp, last, temperature, check_values) -> list[dict[str, float]]:
-    if len(mbs) % updates:
-        raise ValueError(f"{len(mbs)} micro-batches per rank do not split into grpo.updates_per_batch={updates} steps")
-    logp_old: Optional[list[torch.Tensor]] = None
-    if updates > 1:
-        captured: list[torch.Tensor] = []
-        fs = make_forward_step(policy_loss, aggregation, 1.0, 1.0, tp_group, capture=captured, replay=replay,
-                               temperature=temperature, check_values=check_values)
-        with torch.no_grad():
-            run_schedule(chunks, fs, mbs, forward_only=True)
-        # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
-        logp_old = captured if last else [torch.zeros_like(mb.logp_infer_BS) for mb in mbs]
-    per_update = len(mbs) // updates
+def _updates(chunks, optimizer, steps: list[list[RolloutBatch]], loss: dict, replay, agreement, dp_group, pp_group,
+             dp, last) -> list[dict[str, float]]:
+    logp_old: Optional[list[list[torch.Tensor]]] = None
+    if len(steps) > 1:
+        logp_old = []
+        for mbs in steps:  # pi_old of every step's micro-batches, before the first update
+            captured: list[torch.Tensor] = []
+            fs = make_forward_step(denominator=1.0, scale=1.0, capture=captured, replay=replay, **loss)
+            with torch.no_grad():
+                run_schedule(chunks, fs, mbs, forward_only=True)
+            # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
+            logp_old.append(captured if last else [torch.zeros_like(mb.logp_infer_BS) for mb in mbs])
     history = []
-    for u in range(updates):
-        part = mbs[u * per_update:(u + 1) * per_update]
-        part_batch = _concat(part)
-        denom = global_denominator(part_batch, aggregation, dp_group)
+    for u, mbs in enumerate(steps):
+        denom = global_denominator(mbs, loss["aggregation"], dp_group)
         if denom == 0:
             continue  # no trained token anywhere in this part: nothing to learn from
-        old = None if logp_old is None else logp_old[u * per_update:(u + 1) * per_update]
-        fs = make_forward_step(policy_loss, aggregation, denom, float(len(part) * dp), tp_group, logp_old_mbs=old,
-                               replay=replay, agreement=agreement, temperature=temperature, check_values=check_values)
+        old = None if logp_old is None else logp_old[u]
+        fs = make_forward_step(denominator=denom, scale=float(len(mbs) * dp), logp_old_mbs=old, replay=replay,
+                               agreement=agreement, **loss)
         for m in chunks:
             m.zero_grad_buffer()
         optimizer.zero_grad()
-        out = run_schedule(chunks, fs, part, forward_only=False)
+        out = run_schedule(chunks, fs, mbs, forward_only=False)
         if replay is not None:
             replay.check_drained()
         ok, grad_norm, _ = optimizer.step()
@@ -238,12 +310,3 @@ def _updates(chunks, optimizer, mbs, policy_loss, aggregation, updates, replay, 
         metrics["grad_norm"] = float(grad_norm)
         history.append(metrics)
     return history
-
-
-def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
-    cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
-    return RolloutBatch(cat([p.tokens_BS for p in parts]), cat([p.targets_BS for p in parts]),
-                        cat([p.logp_infer_BS for p in parts]), cat([p.mask_BS for p in parts]),
-                        cat([p.advantages_B for p in parts]), cat([p.routed_experts_BSLK for p in parts]),
-                        parts[0].expert_layers)
-

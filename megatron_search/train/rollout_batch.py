@@ -56,6 +56,19 @@ class RolloutBatch:
         return RolloutBatch(self.tokens_BS[start:stop], self.targets_BS[start:stop], self.logp_infer_BS[start:stop],
                             self.mask_BS[start:stop], self.advantages_B[start:stop], re, self.expert_layers)
 
+    def cut(self, width: int) -> "RolloutBatch":
+        """The first `width` positions of every row (train/microbatches.py: nothing after a row's last trained
+        token changes its loss)."""
+        re = None if self.routed_experts_BSLK is None else self.routed_experts_BSLK[:, :width]
+        return RolloutBatch(self.tokens_BS[:, :width], self.targets_BS[:, :width], self.logp_infer_BS[:, :width],
+                            self.mask_BS[:, :width], self.advantages_B, re, self.expert_layers)
+
+    def inert(self) -> "RolloutBatch":
+        """The same shapes training nothing: mask and advantages 0, experts -1 (a filler micro-batch)."""
+        re = None if self.routed_experts_BSLK is None else torch.full_like(self.routed_experts_BSLK, -1)
+        return RolloutBatch(self.tokens_BS, self.targets_BS, self.logp_infer_BS, torch.zeros_like(self.mask_BS),
+                            torch.zeros_like(self.advantages_B), re, self.expert_layers)
+
     def to(self, device) -> "RolloutBatch":
         """The same rows on `device` (the model's: batches are packed and sent on the host)."""
         if self.tokens_BS.device == torch.device(device):

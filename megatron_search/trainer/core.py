@@ -49,7 +49,7 @@ from megatron_search.config.model import resolve_repo_path, weights_format
 from megatron_search.config.schema import training_problems
 from megatron_search.distributed import collectives as coll
 from megatron_search.models.mtp import freeze_mtp
-from megatron_search.models.provider import build_model_chunks
+from megatron_search.models.provider import build_model_chunks, sync_params
 from megatron_search.trainer.step import (
     Batch,
     data_parallel_slice,
@@ -153,7 +153,9 @@ class Trainer:
         return self.iteration > 0 and self.iteration % self.cfg.checkpoint.save_interval == 0
 
     def save(self, extra: Optional[dict] = None, root: Optional[Path] = None) -> Path:
-        """Checkpoint the complete run state as step_<iteration> under the checkpoint root."""
+        """Checkpoint the complete run state as step_<iteration> under the checkpoint root (parallel.overlap_param_gather:
+        the parameters are gathered first, models.provider.sync_params)."""
+        sync_params(self.ddp)
         return save_run(self, Path(root) if root else self.root, extra or {})
 
     def load(self, path: Path) -> dict:

@@ -24,6 +24,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.stages import is_last_stage, rank_in, size_of
+from megatron_search.models.provider import attach_param_sync
 
 
 @dataclass
@@ -46,19 +47,36 @@ class Batch:
 
 
 def wrap_ddp(cfg, chunks: list, config) -> list:
-    """Megatron DDP around each chunk and the TransformerConfig hooks the schedules call."""
+    """Megatron DDP around each chunk and the TransformerConfig hooks the schedules call.
+
+    parallel.overlap_grad_reduce / overlap_param_gather as Megatron-LM's training loop wires them: the schedules
+    start each chunk's grad reduction (grad_sync_func) and parameter gather (param_sync_func) in pipeline order
+    (Megatron-LM's align_grad_reduce / align_param_gather, both on by default there). With overlap_param_gather the
+    parameters are stale after optimizer.step() until the next forward gathers them: every reader outside a
+    forward (checkpoint save, weight export) calls models.provider.sync_params first."""
+    p = cfg.parallel
+    overlap_gather = bool(p.overlap_param_gather) and distributed_optimizer_enabled(p)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer_enabled(cfg.parallel),
+        overlap_grad_reduce=bool(p.overlap_grad_reduce),
+        overlap_param_gather=overlap_gather,
+        align_param_gather=overlap_gather,
+        use_distributed_optimizer=distributed_optimizer_enabled(p),
         check_for_nan_in_grad=True,
     )
     wrapped = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
         for i, chunk in enumerate(chunks)
     ]
+    one = len(wrapped) == 1
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [m.no_sync for m in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.no_sync_func = wrapped[0].no_sync if one else [m.no_sync for m in wrapped]
+    if ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = wrapped[0].start_grad_sync if one else [m.start_grad_sync for m in wrapped]
+    if overlap_gather:
+        config.param_sync_func = wrapped[0].start_param_sync if one else [m.start_param_sync for m in wrapped]
+        for chunk, ddp in zip(chunks, wrapped):
+            attach_param_sync(chunk, partial(ddp.start_param_sync, force_sync=True))
     return wrapped
 
 
@@ -83,6 +101,7 @@ def make_optimizer(cfg, ddp_chunks: list):
         fp16=m.params_dtype == "float16",
         params_dtype=getattr(torch, m.params_dtype),
         use_distributed_optimizer=distributed_optimizer_enabled(cfg.parallel),
+        overlap_param_gather=bool(cfg.parallel.overlap_param_gather) and distributed_optimizer_enabled(cfg.parallel),
     )
     return get_megatron_optimizer(ocfg, ddp_chunks)
 

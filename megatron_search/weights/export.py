@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_search.config.hf import Architecture
 from megatron_search.models.hf_mapping import MappingError, Match
+from megatron_search.models.provider import sync_params
 from megatron_search.rollout.sglang.weight_group import round_up_bytes
 from megatron_search.weights.params import LocalParam, local_params, model_mapping, padded_vocab_size
 from megatron_search.weights.send_plan import Destination, LinkCosts, ParamShards, SendPlan, build_send_plan
@@ -143,6 +144,7 @@ class HFExporter:
         self.dst_rank = dst_rank
         self.out_dtype = out_dtype
         self.bucket_bytes = bucket_bytes
+        self.model_chunks = list(model_chunks)  # every pass gathers them first (sync_params)
         mapping0 = model_mapping(model_chunks, arch)  # MTP rules when the model builds MTP layers
         self.local: dict[str, LocalParam] = {p.global_name: p for p in local_params(model_chunks, mapping0, groups)}
         first = next(iter(self.local.values()), None)
@@ -453,6 +455,7 @@ class HFExporter:
             for k in range(len(self.plan.rounds)):
                 yield staged.take(k)
             return
+        sync_params(self.model_chunks)
         for rnd in self.plan.rounds:
             ids = [k for sender_ids in rnd.values() for k in sender_ids]
             remote = self._move_shards(ids)
@@ -497,6 +500,7 @@ class StagedRounds:
         self.exporter, self.staging, self.group = exporter, staging, group
         self._posted: Optional[tuple[int, list, dict]] = None
         self._next = 0
+        sync_params(exporter.model_chunks)  # parallel.overlap_param_gather: current parameters before any move
         self._post(0)
 
     def _post(self, k: int) -> None:
