@@ -16,8 +16,8 @@ manylinux x86_64, 19.4 MiB in all:
     where 5.24 takes cache, and its linear-attention cache differs from what the local engine drives),
     megatron-core 0.16.1 (cp312, 2.49 MiB), pydantic-core 2.46.4 (cp312, 2.00 MiB), pydantic 2.13.4
     (0.45 MiB), bm25s 0.3.16 (0.07 MiB: GRPO's search index), typing-extensions 4.16.0 (0.04 MiB),
-    typing-inspection 0.4.2 (0.01 MiB), annotated-types 0.7.0 (0.01 MiB) -- 18.00 MiB, all the train
-    check needs; fla-core 0.6.0 (1.03 MiB) and flash-linear-attention 0.6.0 (0.38 MiB) for gdn/models.
+    typing-inspection 0.4.2 (0.01 MiB), annotated-types 0.7.0 (0.01 MiB), datasets 5.2.0, dill 0.4.1 and
+    multiprocess 0.70.19 (0.7 MiB: the data readers) -- 18.7 MiB, all the train check needs; fla-core 0.6.0 (1.03 MiB) and flash-linear-attention 0.6.0 (0.38 MiB) for gdn/models.
 Then there, the default checks:
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 540 python3 tools/gpu_selfcheck.py --out $OUT 2>&1 | tee $OUT/log

@@ -14,7 +14,8 @@ Two child processes (`python tools/selfcheck_train.py --side ...`), work in a te
              1-step reward model per architecture (GRPO's reward needs one). Then `sft` and `grpo`.
   device     started once those exist; the GPU (CPU too under --cpu-dry-run). Per architecture
              (configs/models/tiny_qwen3_moe, chat style qwen3; tiny_qwen3_5_moe, qwen3_5):
-    sft       run_sft: 2 steps from the seeded initialisation, final checkpoint saved.
+    sft       run_sft: 2 steps from a seeded transformers initialisation saved by the reference child (the
+              same weights on both sides: Megatron's own init draws from the device's RNG), final checkpoint saved.
     convert   that checkpoint -> HF (mcore_to_hf): transformers' logits from the HF folder against
               Megatron's from the checkpoint, on the device; HF -> Megatron -> HF gives every tensor
               back bit for bit.
@@ -104,6 +105,9 @@ def prepare(work: Path) -> dict:
     BPETokenizer.train(texts, vocab_size=1024).save(work / "tokenizer.json")
     inputs = {"search": search, "tokenizer": str(work / "tokenizer.json"), "qa": str(work / "qa.jsonl"),
               "sft": {str(work / "sft_search.jsonl"): 0.5, str(work / "sft_empty.jsonl"): 0.5}, "rm": {}}
+    inputs["init"] = {}
+    for arch in ARCHS:  # the SFT's initial weights, one file for both sides: Megatron's own random init draws from
+        inputs["init"][arch] = str(_initial_weights(arch, work / f"init_{arch}"))  # the device's RNG
     for arch in ARCHS:
         out = work / f"rm_{arch}"
         code = cli(["rm", "train", *_common(arch, inputs), f"run.output_dir={out}", "rm.steps=1",
@@ -115,6 +119,18 @@ def prepare(work: Path) -> dict:
     tmp.write_text(json.dumps(inputs))
     os.replace(tmp, work / "inputs.json")  # its appearance starts the device child
     return inputs
+
+
+def _initial_weights(arch: str, out: Path) -> Path:
+    """A seeded transformers model of `arch` (its own initialisation, float32) saved as an HF folder."""
+    import torch
+    import transformers
+
+    model_dir = REPO / "configs/models" / arch
+    cls = getattr(transformers, json.loads((model_dir / "config.json").read_text())["architectures"][0])
+    torch.manual_seed(11)
+    cls(transformers.AutoConfig.from_pretrained(model_dir)).float().save_pretrained(out)
+    return out
 
 
 def _engine_args(arch: str, inputs: dict) -> list[str]:
@@ -168,7 +184,8 @@ def _sft(arch: str, inputs: dict, d: Path) -> dict:
     from megatron_search.train.sft import run_sft
 
     mix = "{" + ", ".join(f"{path}: {w}" for path, w in inputs["sft"].items()) + "}"
-    cfg = load_config(None, [*_common(arch, inputs), f"sft.datasets={mix}", "sft.seq_length=768",
+    common = [o for o in _common(arch, inputs) if o != "model.init=random"] + [f"model.path={inputs['init'][arch]}"]
+    cfg = load_config(None, [*common, f"sft.datasets={mix}", "sft.seq_length=768",
                              "sft.packing=false", "sft.global_batch_size=2", "sft.micro_batch_size=1",
                              f"sft.steps={SFT_STEPS}", f"optim.lr={SFT_LR}", f"run.output_dir={d / 'sft'}",
                              f"checkpoint.dir={d / 'sft_ckpt'}", "checkpoint.save_interval=1000",

@@ -11,7 +11,6 @@ import re
 from functools import lru_cache
 from typing import Optional
 
-from lingua import Language, LanguageDetectorBuilder
 
 _QUOTED = re.compile(r"\"([^\"]+)\"|“([^”]+)”|'([^']+)'")
 _SUBJ = r"(?:the (?:answer|reply|response|corrected sentence|rewritten text|text)|it|its answer)"
@@ -29,6 +28,9 @@ _LANGS = ("ENGLISH", "FRENCH", "GERMAN", "SPANISH", "ITALIAN", "PORTUGUESE", "DU
 
 @lru_cache(maxsize=1)
 def _detector():
+    # start-up: lingua (its language models, 96 MB installed) only where a rubric checks a reply's language
+    from lingua import Language, LanguageDetectorBuilder
+
     # low-accuracy mode (trigram models only) builds in a fraction of a second; replies are sentences,
     # not single words, where it is accurate enough
     return LanguageDetectorBuilder.from_languages(*(getattr(Language, n) for n in _LANGS)).with_low_accuracy_mode().build()
