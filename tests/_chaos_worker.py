@@ -52,12 +52,19 @@ def main(rank: int, world: int, port: int, fx: dict, out: str, steps: int, overr
     def push_and_read_engines(self, step=None):
         push(self, step)
         if self.is_driver:
+            off = self.colocate.offloader  # colocated: the parameters left after the push; back for the digest
+            gone = "params" in off.offloaded_kinds()
+            if gone:
+                off.reload(("params",))
+            digest = trainer_digest(self)
+            if gone:
+                off.offload(("params",))
             h = self.driver.health
             result["pushes"].append({
                 "step": step, "version": str(self.trainer.iteration), "state": list(h.state),
                 "engines": [engine_digest(c.base_url) if h.state[i] == "up" else None
                             for i, c in enumerate(self.driver.engines)],
-                "trainer": trainer_digest(self)})
+                "trainer": digest})
 
     GRPORun.push_weights = push_and_read_engines
     try:

@@ -273,8 +273,26 @@ def check_auth() -> dict:
             and key in (args.launch_command or ""), "api_key_env_vars": env_names}
 
 
+def check_launch() -> dict:
+    """Our launch line (rollout/sglang/client.py sglang_command, every optional flag on) parsed by SGLang's own
+    argument parser: each flag accepted and landing in the field it is meant for."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from megatron_search.config import load_config
+    from megatron_search.rollout.sglang.client import sglang_command
+
+    sg = load_config(None, ["rollout.sglang.deterministic_inference=true", "rollout.sglang.context_length=4096"]
+                     ).rollout.sglang
+    argv = sglang_command(sg, "configs/models/tiny_qwen3_moe", 30011, routed_experts=True, seed=5,
+                          weight_version="7", base_gpu_id=2)
+    args = prepare_server_args(argv[3:])  # after `python -m sglang.launch_server`
+    return {"launch_fields": {k: getattr(args, k, None) for k in (
+        "enable_deterministic_inference", "enable_memory_saver", "enable_return_routed_experts", "skip_tokenizer_init",
+        "random_seed", "weight_version", "base_gpu_id", "context_length", "mem_fraction_static", "port")}}
+
+
 if __name__ == "__main__":
     import sglang
 
-    result = {"sglang": sglang.__version__, **check_requests(), **check_rendezvous(), **check_auth()}
+    result = {"sglang": sglang.__version__, **check_requests(), **check_rendezvous(), **check_auth(), **check_launch()}
     print(json.dumps(result))

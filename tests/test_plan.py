@@ -140,26 +140,30 @@ def test_bucket_smaller_than_the_embedding_is_refused_at_config_time():
         load_config("configs/qwen3_5_397b_a17b_grpo.yaml", ["rollout.weight_bucket_mb=512"])
 
 
-def test_colocated_phases_count_what_stays_resident():
-    """Colocated 397B: each phase holds what train/grpo_colocate.py keeps resident then. The reward model (the
+def test_colocated_moments_price_what_stays_resident():
+    """Colocated 397B: each moment of plan/residency.py's order priced on every stage. The reward model (the
     policy's backbone, RECIPE 1) is on the GPU only while it scores; SGLang holds mem_fraction_static x 141 GiB
-    during rollouts, so 0.97 (136.8 GiB) does not fit in the 135 usable while 0.95 (134.0) does."""
+    while its memory is not released, so 0.97 (136.8 GiB) does not fit in the 135 usable while 0.95 (134.0) does."""
     ok = make_plan(load_config("configs/qwen3_5_397b_a17b_grpo.yaml", ["parallel.world_size=null"]))
-    assert ok.fits and {p.phase.split(" (")[0] for p in ok.phases} == {"rollout", "preference scoring", "training", "sync"}
-    by = {p.phase.split(" (")[0]: p for p in ok.phases}
-    assert by["rollout"].parts == {"engine (weights + KV cache)": pytest.approx(0.85 * 141 * GIB)}
-    assert set(by["preference scoring"].parts) == {"reward model", "reward model activations"}
-    assert all("reward model" not in by[p].parts for p in ("rollout", "training", "sync"))
-    # the reward model has the policy's backbone and layout: its stage weights are the policy's to within the
-    # difference between the two busiest stages (output layer vs embedding, both [V, H] / TP)
-    assert by["preference scoring"].parts["reward model"] == pytest.approx(by["sync"].parts["trainer parameters"],
-                                                                           rel=0.01)
+    assert ok.fits
+    by = {}
+    for m in ok.moments:  # the busiest stage of each moment
+        if m.moment.name not in by or m.total > by[m.moment.name].total:
+            by[m.moment.name] = m
+    assert by["rollout"].total == pytest.approx(0.85 * 141 * GIB)
+    assert set(by["scoring"].parts) == {"reward_model.params", "reward_model.activations"}
+    assert all(not any(h.startswith("reward_model") for h in by[n].parts) for n in ("rollout", "train", "push"))
+    stage = max(ok.stages, key=lambda st: st.total)
+    assert by["train"].total == pytest.approx(stage.total) and by["start: engines released"].total == 0
+    # the push: the trainer's parameters, the engine's weights and two export buckets, nothing else
+    assert set(by["push"].parts) == {"policy.params", "engine.weights", "export.buckets"}
+    assert by["push"].parts["export.buckets"] == 2 * load_config("configs/qwen3_5_397b_a17b_grpo.yaml").weight_bucket_bytes()
     assert make_plan(load_config("configs/qwen3_5_397b_a17b_grpo.yaml", [
         "parallel.world_size=null", "rollout.sglang.mem_fraction_static=0.95"])).fits
     tight = make_plan(load_config("configs/qwen3_5_397b_a17b_grpo.yaml",
                                   ["parallel.world_size=null", "rollout.sglang.mem_fraction_static=0.97"]))
     assert not tight.fits
-    assert any("colocated phase 'rollout'" in p for p in tight.problems), tight.problems
+    assert any("colocated moment 'start: engines up' needs 136.8 GiB" in p for p in tight.problems), tight.problems
 
 
 def test_checkpoint_cost_at_the_397b_layout_by_hand():

@@ -41,6 +41,10 @@ def test_launch_line_carries_the_flags_this_project_needs():
     plain = sglang_command(load_config(None, ["rollout.sglang.enable_memory_saver=false"]).rollout.sglang,
                            "/m", 1, routed_experts=False)
     assert "--enable-return-routed-experts" not in plain and "--enable-memory-saver" not in plain
+    # SGLang 0.5.23 applies a request's sampling_seed only under deterministic inference (sampling_batch_info.py)
+    det = sglang_command(load_config(None, ["rollout.sglang.deterministic_inference=true"]).rollout.sglang, "/m", 1,
+                         routed_experts=False)
+    assert "--enable-deterministic-inference" in det and "--enable-deterministic-inference" not in plain
     assert "--base-gpu-id" not in plain  # the first engine on a node starts at GPU 0
     second = sglang_command(cfg.rollout.sglang, "/m", 30010, routed_experts=False, base_gpu_id=8)
     assert second[second.index("--base-gpu-id") + 1] == "8"

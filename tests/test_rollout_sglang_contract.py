@@ -51,3 +51,8 @@ def test_client_requests_and_rendezvous_are_sglangs_own():
     assert result["local_routes_sglang_lacks"] == ["/get_weight_version", "/local/memory", "/local/weights_sha256",
                                                    "/no_such_route"]
     assert result["api_key_flag"] and result["sglang_logs_key"] and result["api_key_env_vars"] == []
+    # our launch line through SGLang's parser (deterministic inference: where 0.5.23 honours sampling_seed)
+    assert result["launch_fields"] == {
+        "enable_deterministic_inference": True, "enable_memory_saver": True, "enable_return_routed_experts": True,
+        "skip_tokenizer_init": True, "random_seed": 5, "weight_version": "7", "base_gpu_id": 2,
+        "context_length": 4096, "mem_fraction_static": 0.8, "port": 30011}

@@ -80,7 +80,7 @@ def test_flex_needs_its_backend_and_tp_x_ep_above_one():
                              "model.moe_flex_dispatcher_backend=hybridep"])
     assert flex_problems(two.model, two.parallel, lambda backend: backend == "hybridep") == []
     assert flex_problems(one.model, one.parallel, lambda backend: True) == [
-        "model.moe_token_dispatcher: flex needs TP x EP > 1 (Megatron's MoEFlexTokenDispatcher), got TP=1 EP=1; "
+        "model.moe_token_dispatcher: flex needs ETP x EP > 1 (Megatron's MoEFlexTokenDispatcher), got ETP=1 EP=1; "
         "use alltoall"]
     (missing,) = flex_problems(two.model, two.parallel, lambda backend: backend == "deepep")
     assert "moe_flex_dispatcher_backend='hybridep' needs deep_ep with HybridEPBuffer" in missing
@@ -240,3 +240,16 @@ def test_overlap_param_gather_reads_updated_parameters_in_export_and_save(overla
     plain0, gather0 = overlap_runs[0]["plain_distributed"], overlap_runs[0]["gather_distributed"]
     assert plain0["export_staged"] and _equal(gather0["export_staged"], plain0["export_staged"])
     assert plain0["export_plain"] and _equal(gather0["export_plain"], plain0["export_plain"])
+
+
+def test_variable_shapes_only_where_asked_and_megatron_allows_them():
+    # GRPO's trainer asks (its micro-batches vary); SFT and the reward model keep fixed shapes and no handshake.
+    # (alltoall refuses to build on CPU, so the rule is checked as the function the provider calls)
+    from megatron_search.models.provider import transformer_config_from_hf
+    from megatron_search.models.provider_common import variable_seq_lengths
+
+    assert variable_seq_lengths(True, 2, "alltoall") and variable_seq_lengths(True, 4, "flex")
+    assert not variable_seq_lengths(False, 2, "alltoall") and not variable_seq_lengths(True, 1, "alltoall")
+    assert not variable_seq_lengths(True, 2, "allgather")  # Megatron refuses variable_seq_lengths with allgather
+    cfg = load_config(None, [f"model.hf_config={TINY}", "parallel.pp=2"])  # CPU: allgather
+    assert transformer_config_from_hf(cfg, variable_shapes=True).variable_seq_lengths is False

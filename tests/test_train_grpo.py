@@ -81,6 +81,9 @@ def check_colocated_cycle(run_dir: Path, steps: int) -> None:
             assert by["train"]["engine_weights_bytes"] == [0] and by["train"]["engine_kv_cache_bytes"] == [0]
             assert by["train"]["trainer_bytes"] > 0
     assert trained >= 1
+    from test_residency import check_ledger
+
+    check_ledger(run_dir, trained=True, saved=any((run_dir / "checkpoints").glob("step_*")))
     assert scalars(run_dir, "time/offload_s") and scalars(run_dir, "time/release_s") and scalars(run_dir, "time/resume_s")
 
 

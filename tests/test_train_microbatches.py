@@ -66,3 +66,17 @@ def test_a_budget_with_the_allgather_dispatcher_under_ep_or_pp_is_refused_at_con
     for fine in (budget, ["grpo.max_tokens_per_micro_batch=4096", "parallel.ep=2"]):  # EP=PP=1, or auto
         assert not [p for p in stage_problems(load_config(None, fine), "grpo", None, inputs=False)
                     if p.startswith("grpo.max_tokens")]
+
+
+def test_a_budget_under_pipeline_parallelism_keeps_enough_micro_batches():
+    # 16 rows of 1-3k tokens fit a 16k budget in 3 micro-batches; at PP 4 (min_count 16) each row goes alone,
+    # and never more micro-batches than rows (then agreed over DP as before)
+    lengths = [1000 + 125 * i for i in range(16)]
+    packed, _ = plan_groups(lengths, 1, 16384, 1, 3000)
+    assert len(packed) == 3
+    alone, inert = plan_groups(lengths, 1, 16384, 1, 3000, min_count=16)
+    assert sorted(len(g) for g in alone) == [1] * 16 and inert == 0
+    eight, _ = plan_groups(lengths, 1, 16384, 1, 3000, min_count=8)
+    assert len(eight) == 8 and sorted(i for g in eight for i in g) == list(range(16))
+    few, inert = plan_groups(lengths[:3], 1, 16384, 1, 3000, min_count=16, agree=lambda n: n)
+    assert len(few) == 3 and inert == 0

@@ -287,6 +287,11 @@ def _rank_main(ckpt: str) -> dict:
         chunks = build_model_chunks(cfg, ctx.groups)
         load_hf_into_model(chunks, arch, source, ctx.groups)
         out["export"][lay] = _export_mismatches(chunks, arch, ctx.groups, source, 1 << 20)
+        if lay == "pp2":  # GRPO's push leaves the frozen MTP block out (train/grpo_sync.py), on every stage alike
+            from megatron_search.weights.export import HFExporter
+
+            pushed = HFExporter(chunks, arch, ctx.groups, 1 << 20, skip_prefixes=("mtp.",))
+            out["export"]["pp2_no_mtp"] = [name for bucket in pushed for name, _ in bucket]
         if lay == "pp2":  # the MTP stage holds its own copy of the word embedding (NeMo-RL #2471's setting)
             emb = dict(chunks[0].named_parameters()).get("embedding.word_embeddings.weight")
             out["pp2_embedding"] = (ctx.pp_rank, None if emb is None else emb.detach().numpy().copy())
@@ -340,6 +345,14 @@ def test_mtp_round_trip_is_bitwise(run, layout):
     assert bad == []
     assert sorted(names) == sorted(language) and len(names) == len(set(names))  # MTP exported once, PP>1 too
     assert per_rank[1]["export"][layout] == ([], [])
+
+
+@pytest.mark.multiprocess
+def test_the_push_without_mtp_exports_everything_else(run):
+    ckpt, _, per_rank = run
+    language = {n for n in _stored(ckpt) if not n.startswith(("model.visual.", "mtp."))}
+    names = per_rank[0]["export"]["pp2_no_mtp"]
+    assert sorted(names) == sorted(language) and per_rank[1]["export"]["pp2_no_mtp"] == []
 
 
 @pytest.mark.multiprocess

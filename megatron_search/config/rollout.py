@@ -41,6 +41,11 @@ class SGLangConfig(Section):
     host: str = "127.0.0.1"
     base_port: PositiveInt = 30000
     enable_memory_saver: bool = Field(True, description="needed by release/resume_memory_occupation (colocated)")
+    deterministic_inference: bool = Field(
+        False, description="--enable-deterministic-inference: SGLang 0.5.23 applies a request's sampling_seed only "
+        "with it (sampling_batch_info.py; batch-invariant kernels, slower). Off: the per-rollout seeds the driver "
+        "sends are ignored and each sample draws from the engine's own generator (--random-seed per engine), so "
+        "a rerun samples differently; the local engine and vLLM honour the seeds either way")
     context_length: Optional[PositiveInt] = Field(None, description="--context-length; None = the model's")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
     skip_tokenizer_init: bool = Field(True, description="token in, token out (no server-side tokenizer; no /v1/chat/completions)")

@@ -25,7 +25,7 @@ from megatron_search.distributed import cpu_compat
 from megatron_search.distributed.stages import chunk_stage_flags, rank_in, require_model_parallel
 
 from .mtp import MTPGPTModel
-from .provider_common import ProviderError, fusion_settings, log_fusions
+from .provider_common import ProviderError, fusion_settings, log_fusions, variable_seq_lengths
 from .specs import use_transformer_engine
 
 ARCHITECTURES: dict[str, str] = {
@@ -50,14 +50,18 @@ def architecture_module(cfg):
     return importlib.import_module(ARCHITECTURES[model_type]), raw, str(path)
 
 
-def transformer_config_from_hf(cfg, routing_replay: bool = False):
+def transformer_config_from_hf(cfg, routing_replay: bool = False, variable_shapes: bool = False):
     """Megatron TransformerConfig for cfg.model (architecture from the HF config.json, layout from cfg.parallel).
     `routing_replay` (RECIPE 3, GRPO's grpo.routing_replay): every router gets a RouterReplay that can force the
-    engine's experts."""
+    engine's experts. `variable_shapes` (GRPO's micro-batches, train/microbatches.py): under PP the stages send
+    each activation's shape first (variable_seq_lengths: a blocking handshake per send, so only where the shapes
+    vary); Megatron refuses it with the allgather dispatcher, where policy_step then agrees one width per step."""
     module, raw, where = architecture_module(cfg)
     use_te = use_transformer_engine(cfg.model.transformer_impl, cfg.model.require_te)
     kwargs = module.transformer_config_kwargs(cfg, text_config(raw), where, use_te)
     kwargs["moe_enable_routing_replay"] = routing_replay
+    kwargs["variable_seq_lengths"] = variable_seq_lengths(variable_shapes, cfg.parallel.pp,
+                                                          kwargs.get("moe_token_dispatcher_type"))
     return getattr(module, "config_class", TransformerConfig)(**kwargs)
 
 
@@ -98,10 +102,10 @@ def build_model(cfg, groups, pre_process: bool | None = None, post_process: bool
     return model
 
 
-def build_model_chunks(cfg, groups, routing_replay: bool = False) -> list:
-    """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP); `routing_replay`: see
-    transformer_config_from_hf."""
-    config = transformer_config_from_hf(cfg, routing_replay)
+def build_model_chunks(cfg, groups, routing_replay: bool = False, variable_shapes: bool = False) -> list:
+    """One model chunk per virtual pipeline stage of this rank (a single chunk without VPP); `routing_replay`,
+    `variable_shapes`: see transformer_config_from_hf."""
+    config = transformer_config_from_hf(cfg, routing_replay, variable_shapes)
     log_fusions(*fusion_settings(cfg.model.fusions, torch.cuda.is_available()))
     if cfg.parallel.vpp is None:
         return [build_model(cfg, groups, config=config)]

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.moe import fused_a2a
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,12 @@ def moe_dispatcher(choice: str, on_gpu: bool) -> str:
     return choice
 
 
+def variable_seq_lengths(asked: bool, pp: int, dispatcher) -> bool:
+    """Megatron's variable_seq_lengths: only where shapes vary (`asked`), matter (PP > 1: stages exchange
+    activations) and Megatron allows it (not with the allgather dispatcher, transformer_config.py)."""
+    return bool(asked and pp > 1 and dispatcher != "allgather")
+
+
 def _flex_backend_present(backend: str) -> bool:
     """Megatron's own probe: fused_a2a imports deep_ep's Buffer (deepep) or HybridEPBuffer (hybridep)."""
     return bool(fused_a2a.HAVE_DEEP_EP if backend == "deepep" else fused_a2a.HAVE_HYBRIDEP)
@@ -58,9 +65,9 @@ def flex_problems(m, p, backend_present: Callable[[str], bool] = _flex_backend_p
     """Why the flex dispatcher cannot run for this model/layout (empty: it can). Megatron-Core 0.16.1 would fail
     later and less clearly: ImportError in _DeepepManager, an assert on TP x EP > 1 in MoEFlexTokenDispatcher."""
     out = []
-    if p.tp * p.ep == 1:
-        out.append("model.moe_token_dispatcher: flex needs TP x EP > 1 (Megatron's MoEFlexTokenDispatcher), got "
-                   "TP=1 EP=1; use alltoall")
+    if p.etp * p.ep == 1:  # the dispatcher's tp is the expert tensor-parallel group (token_dispatcher.py)
+        out.append(f"model.moe_token_dispatcher: flex needs ETP x EP > 1 (Megatron's MoEFlexTokenDispatcher), got "
+                   f"ETP={p.etp} EP={p.ep}; use alltoall")
     if not backend_present(m.moe_flex_dispatcher_backend):
         what = "deep_ep (DeepEP, github.com/deepseek-ai/DeepEP)" if m.moe_flex_dispatcher_backend == "deepep" \
             else "deep_ep with HybridEPBuffer (DeepEP's hybrid-ep branch)"
@@ -101,8 +108,8 @@ _UNUSED = {
 
 
 def _grad_accum_extension_present() -> bool:
-    # the module tensor_parallel/layers.py imports (its _grad_accum_fusion_available)
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    # Megatron's own verdict: tensor_parallel/layers.py imports the extension and keeps whether it loaded
+    return bool(tp_layers._grad_accum_fusion_available)
 
 
 def _te_rope_present() -> bool:
@@ -175,10 +182,6 @@ def base_config_kwargs(cfg, hf: dict[str, Any], use_te: bool) -> dict[str, Any]:
         moe_z_loss_coeff=m.moe_z_loss_coeff if m.moe_z_loss_coeff > 0 else None,
         mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         moe_token_dispatcher_type=dispatcher,
-        # GRPO's micro-batches each have their own width (train/microbatches.py): pipeline stages then send
-        # their shapes first. Megatron refuses it with the allgather dispatcher; policy_step then cuts every
-        # micro-batch of a step to one width.
-        variable_seq_lengths=p.pp > 1 and dispatcher != "allgather",
         # Grouped GEMM needs TE kernels; otherwise experts run as a loop of plain MLPs (SequentialMLP).
         moe_grouped_gemm=use_te,
         moe_router_dtype=m.moe_router_dtype,

@@ -22,6 +22,8 @@ from megatron_search.config.hf import Architecture
 from megatron_search.config.schema import Config, layout_problems, stage_problems
 
 from .params import ParamCounts, count_params
+from .residency import COLOCATED_ORDER, holder_sizes, price
+from .step_time import step_time
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -60,35 +62,6 @@ class RolloutMemory:
 
 
 @dataclass
-class PhaseMemory:
-    """Per-GPU bytes resident in one phase of a colocated GRPO step (train/grpo_colocate.py's order)."""
-
-    phase: str
-    parts: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-
-def colocated_phases(stage: StageMemory, ro: RolloutMemory, engine_fraction_bytes: float,
-                     bucket_bytes: float) -> list[PhaseMemory]:
-    """What stays resident in each phase, on the GPU of `stage`. The reward model has the policy's backbone and
-    layout (RECIPE 1); train/grpo_colocate.py keeps it on the GPU only while it scores; SGLang holds
-    mem_fraction_static x GPU memory while its memory is not released; the engines are released before
-    preference scoring. The scoring activations are bounded by the stage's training activations (an
-    overestimate: scoring keeps no activations for a backward and has no vocabulary logits)."""
-    rm = stage.weights
-    return [
-        PhaseMemory("rollout", {"engine (weights + KV cache)": engine_fraction_bytes}),
-        PhaseMemory("preference scoring", {"reward model": rm, "reward model activations": stage.activations}),
-        PhaseMemory("training", {"trainer": stage.total}),
-        PhaseMemory("sync", {"trainer parameters": stage.weights, "engine weights": ro.weights,
-                             "export buckets": 2 * bucket_bytes}),
-    ]
-
-
-@dataclass
 class Plan:
     train_gpus: int
     rollout_gpus: int
@@ -98,7 +71,7 @@ class Plan:
     rollout: RolloutMemory | None = None
     problems: list[str] = field(default_factory=list)
     sync: object | None = None  # plan.weight_sync.SyncReport (GRPO)
-    phases: list[PhaseMemory] = field(default_factory=list)  # colocated GRPO, on the peak stage's GPU
+    moments: list = field(default_factory=list)  # colocated GRPO: plan.residency.PricedMoment, every stage
     checkpoint: object | None = None  # plan.checkpoint.CheckpointEstimate
     step_time: object | None = None  # plan.step_time.StepTimeEstimate
 
@@ -220,8 +193,6 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
     from .checkpoint import checkpoint_estimate  # start-up: plan/checkpoint.py imports this module (import cycle)
 
     plan.checkpoint = checkpoint_estimate(cfg, plan)
-    from .step_time import step_time  # as checkpoint_estimate
-
     plan.step_time = step_time(cfg, stage_kind, counts, train_gpus, plan.checkpoint.save_s)
     if plan.step_time.margin_s > c.preemption_notice_s:
         problems.append(f"preemption: a stop needs about {plan.step_time.margin_s:.0f} s (the update in flight "
@@ -257,17 +228,16 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
                 f"(rollout.max_total_tokens={cfg.rollout.max_total_tokens})"
             )
         if cfg.rollout.mode == "colocated" and ro.kv_budget > 0:
-            # every stage's GPU also hosts an engine: check each phase on every stage, report each phase's worst
-            worst: dict[str, tuple[int, PhaseMemory]] = {}
-            for st in plan.stages:
-                for ph in colocated_phases(st, ro, sg.mem_fraction_static * c.gpu_mem_gib * GIB,
-                                           cfg.weight_bucket_bytes()):
-                    if ph.phase not in worst or ph.total > worst[ph.phase][1].total:
-                        worst[ph.phase] = (st.stage, ph)
-                    if ph.total > usable:
-                        problems.append(f"memory: colocated phase '{ph.phase}' needs {ph.total / GIB:.1f} GiB on "
-                                        f"pipeline stage {st.stage}, more than the {usable / GIB:.1f} GiB usable")
-            plan.phases = [PhaseMemory(f"{name} (stage {s})", ph.parts) for name, (s, ph) in worst.items()]
+            # every stage's GPU also hosts an engine: the loop's order of moments (plan/residency.py), priced on each
+            fraction = sg.mem_fraction_static * c.gpu_mem_gib * GIB
+            sizes = {st.stage: holder_sizes(st, ro, fraction, cfg.weight_bucket_bytes()) for st in plan.stages}
+            plan.moments = price(COLOCATED_ORDER, sizes)
+            over = [m for m in plan.moments if m.total > usable]
+            if over:
+                worst = max(over, key=lambda m: m.total)
+                problems.append(f"memory: colocated moment '{worst.moment.name}' needs {worst.total / GIB:.1f} GiB on "
+                                f"pipeline stage {worst.stage} ({', '.join(sorted(worst.parts))}), more than the "
+                                f"{usable / GIB:.1f} GiB usable ({len(over)} moment(s) x stage(s) over)")
         if not any(x.startswith(("parallel.", "rollout.weight_bucket_mb")) for x in problems):
             # start-up: numpy + weights/send_plan.py (+0.11 s on plan), only for a grpo plan's weight-sync report
             from .weight_sync import weight_sync_report

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .memory import GIB, Plan
+from .step_time import format_step_time
 
 
 def format_plan(plan: Plan, title: str) -> str:
@@ -22,17 +23,21 @@ def format_plan(plan: Plan, title: str) -> str:
             f"KV cache {max(r.kv_budget, 0) / GIB:.1f} GiB/GPU = {r.max_tokens:,} tokens"
             + (f", GDN state {r.state_bytes_per_seq / 2**20:.1f} MiB/sequence" if r.state_bytes_per_seq else "")
         )
-    if plan.phases:
-        lines.append("colocated phases (GiB per GPU, each phase on its busiest stage): " + "; ".join(
-            f"{p.phase} {p.total / GIB:.1f} (" + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.parts.items()) + ")"
-            for p in plan.phases))
+    if plan.moments:
+        peak = max(plan.moments, key=lambda m: m.total)
+        lines.append(f"colocated peak moment: '{peak.moment.name}' on stage {peak.stage}, {peak.total / GIB:.1f} GiB per "
+                     "GPU (" + ", ".join(f"{h} {b / GIB:.1f}" for h, b in peak.parts.items()) + ")")
+        worst: dict[str, object] = {}
+        for m in plan.moments:
+            if m.moment.name not in worst or m.total > worst[m.moment.name].total:
+                worst[m.moment.name] = m
+        lines.append("colocated moments (GiB per GPU, each on its busiest stage): " + "; ".join(
+            f"{name} {m.total / GIB:.1f}" for name, m in worst.items()))
     if plan.checkpoint is not None:
         from .checkpoint import format_checkpoint  # start-up: as memory.py imports it (plan/checkpoint.py imports memory)
 
         lines.append(format_checkpoint(plan.checkpoint))
     if plan.step_time is not None:
-        from .step_time import format_step_time  # as format_checkpoint
-
         lines.append(format_step_time(plan.step_time))
     if plan.sync is not None:
         from .weight_sync import format_sync_report  # start-up: as in memory.py, only with a sync report

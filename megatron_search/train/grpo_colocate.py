@@ -26,7 +26,16 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
+from megatron_search.plan.residency import (
+    ENGINE_TAGS,
+    POLICY_GRADS,
+    POLICY_OPTIMIZER,
+    POLICY_PARAMS,
+    RM_PARAMS,
+    Ledger,
+)
 from megatron_search.rollout.engine.base import EngineError
 from megatron_search.rollout.engine.health import DOWN
 
@@ -34,13 +43,20 @@ from .offload import StateOffloader
 
 
 class ColocatedCycle:
-    def __init__(self, cfg, trainer, driver, out_dir: Path, is_driver: bool, reward_model_chunks=()):
+    def __init__(self, cfg, trainer, driver, out_dir: Path, is_driver: bool, reward_model_chunks=(),
+                 ledger: Optional[Ledger] = None, released: Optional[dict[int, int]] = None):
+        """`released`: engines the run released at start-up, before the trainer was built ({engine: incarnation});
+        their memory comes back at the first push."""
         self.enabled = cfg.rollout.mode == "colocated"
-        self.offloader = StateOffloader(list(trainer.ddp), trainer.optimizer)
-        self.rm = StateOffloader(list(reward_model_chunks), None)  # parameters only: it never trains here
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.offloader = StateOffloader(list(trainer.ddp), trainer.optimizer, ledger=self.ledger, holders={
+            "params": POLICY_PARAMS, "grads": POLICY_GRADS, "optimizer": POLICY_OPTIMIZER})
+        self.rm = StateOffloader(list(reward_model_chunks), None, ledger=self.ledger,  # parameters only: it never
+                                 holders={"params": RM_PARAMS})  # trains here
         self.driver, self.is_driver = driver, is_driver
         self.log = out_dir / "colocate_phases.jsonl"
-        self.released: dict[int, int] = {}  # engine -> incarnation of the process that released its memory
+        # engine -> incarnation of the process that released its memory
+        self.released: dict[int, int] = dict(released or {})
         self.metrics: dict[str, float] = {}
 
     @property
@@ -51,12 +67,12 @@ class ColocatedCycle:
     def to_rollout(self, step: int) -> None:
         """Before rollouts: the trainer leaves the device (every rank)."""
         self.metrics = {}
-        if not self.enabled:
-            return
-        with self._timed("time/offload_s"):
-            self.offloader.offload()  # what is still resident: the parameters after a sync, all of it at the start
-            self.rm.offload(("params",))
-        self._record(step, "rollout")
+        if self.enabled:
+            with self._timed("time/offload_s"):
+                self.offloader.offload()  # what is still resident: the parameters after a sync
+                self.rm.offload(("params",))
+            self._record(step, "rollout")
+        self.ledger.moment("rollout", step)
 
     def to_scoring(self, step: int) -> None:
         """Rollouts and references done (every rank, before the reward model scores): the engines release."""
@@ -77,9 +93,10 @@ class ColocatedCycle:
             self.offloader.reload()
         self._record(step, "train")
 
-    def to_sync(self, step: int) -> None:
-        """Before the weight push: gradients and optimizer state leave, the parameters are resident (the
-        exporter reads them), and the engines' weight memory comes back (the push fills it)."""
+    def to_sync(self, step: Optional[int]) -> None:
+        """Before the weight push (`step` None: the initial one): gradients and optimizer state leave, the
+        parameters are resident (the exporter reads them), and the engines' weight memory comes back (the push
+        fills it)."""
         if not self.enabled:
             return
         with self._timed("time/offload_s"):
@@ -90,16 +107,21 @@ class ColocatedCycle:
             with self._timed("time/resume_s"):
                 self._engines("resume_memory_occupation", ["weights"], self._same_process(self.released))
         self._record(step, "sync")
+        self.ledger.moment("push: engine weights back", step)
 
-    def after_sync(self, step: int) -> None:
-        """After the push: the KV cache returns, generation can start again."""
+    def after_sync(self, step: Optional[int]) -> None:
+        """After the push: the trainer's parameters leave, then the KV cache returns and generation can start
+        again (the parameters and the KV cache never share the GPU)."""
         if not self.enabled:
             return
+        with self._timed("time/offload_s"):
+            self.offloader.offload(("params",))
         if self.released:
             with self._timed("time/resume_s"):
                 self._engines("resume_memory_occupation", ["kv_cache"], self._same_process(self.released))
             self.released = {}
         self._record(step, "resumed")
+        self.ledger.moment("push done: kv cache back", step)
 
     def to_checkpoint(self) -> None:
         """Before a save (every rank): the engines release their memory if they still hold it (a stop or a
@@ -158,6 +180,9 @@ class ColocatedCycle:
                 raise r
             else:
                 done[i] = n
+        if done:  # the driver's GPU: engine 0's first TP rank shares it (an engine that failed is down, its memory gone)
+            holders = [ENGINE_TAGS[t] for t in tags]
+            (self.ledger.arrive if method.startswith("resume") else self.ledger.leave)(*holders)
         return done
 
     def _record(self, step: int, phase: str) -> None:

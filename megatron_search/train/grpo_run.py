@@ -11,6 +11,7 @@ Per-step metrics gather in `metrics` and are written by end_step.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from dataclasses import dataclass
@@ -24,6 +25,14 @@ from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.init import host_group
 from megatron_search.distributed.stages import size_of
 from megatron_search.models.routing_replay import moe_routers
+from megatron_search.plan.residency import (
+    ENGINE_KV_CACHE,
+    ENGINE_WEIGHTS,
+    EXPORT_BUCKETS,
+    POLICY_ACTIVATIONS,
+    RM_ACTIVATIONS,
+    Ledger,
+)
 from megatron_search.rewards.batch import RewardBreakdown, RolloutScores, compute_rewards_from_config, reward_generator
 from megatron_search.rewards.preference import ReferenceAnswer
 from megatron_search.rl.advantages import filtered_groups, group_advantages
@@ -69,17 +78,21 @@ class GRPORun:
         self.cfg, self.ctx = cfg, ctx
         self.out = Path(cfg.run.output_dir)
         self.is_driver = dist.get_rank() == 0
+        self.driver = self.sampler = None
+        # who holds device memory at each moment, on the driver's GPU (plan/residency.py; the planner prices it)
+        self.ledger = Ledger(self.out / "residency.jsonl" if self.is_driver else None)
+        released = self._start_engines()  # colocated: started and released before anything else takes the GPU
         # MTP (model.mtp) stays out of the RL loss, a fixed choice (docs/QWEN3_5_LAYOUT.md): the RL objective is
         # the token-IS loss on the main head; the MTP layer is frozen, still loaded and synced (the engine's draft).
         self.trainer = Trainer(cfg, ctx, total_steps=cfg.grpo.steps, train_mtp=False,
-                               routing_replay=cfg.grpo.routing_replay)
+                               routing_replay=cfg.grpo.routing_replay, variable_shapes=True)
         self.dp = size_of(ctx.groups.dp)
         self.policy_loss = build_policy_loss(cfg.grpo)
         self.batching = Batching(rows=cfg.grpo.micro_batch_size, max_tokens=cfg.grpo.max_tokens_per_micro_batch,
-                                 multiple=cfg.parallel.sequence_multiple, trim=cfg.grpo.trim_padding)
+                                 multiple=cfg.parallel.sequence_multiple, trim=cfg.grpo.trim_padding,
+                                 min_count=4 * cfg.parallel.pp if cfg.parallel.pp > 1 else 1)
         self.stop = StopRequest()
         self.stopping = False  # a stop signal on any rank, agreed by finished()
-        self.driver = self.sampler = None
         self.capacity_error: Optional[str] = None  # driver: this step lost more than rollout.health allows
         self._sampler_at_step_start: dict = {}
         self.eval_items: list = []
@@ -91,16 +104,49 @@ class GRPORun:
         if self.trainer.resumed_from is None:  # a fresh start
             load_initial_weights(self.trainer, cfg, ctx.groups)  # the SFT checkpoint, or the pretrained model
         if self.is_driver:
-            self._build_driver(extra)
+            self._restore_driver(extra)
         self.resumed = bool(extra)
         urls = _broadcast([c.base_url for c in self.driver.engines] if self.is_driver else None)
         self.weight_sync = build_weight_sync(cfg, urls, self.out)
         self.colocate = ColocatedCycle(cfg, self.trainer, self.driver, self.out, self.is_driver,
-                                       reward_model_chunks=self.preference.scorer.chunks)
+                                       reward_model_chunks=self.preference.scorer.chunks, ledger=self.ledger,
+                                       released=released)
+        self.ledger.moment("start: trainer built")
         moe_layers = [layer for layer, _ in moe_routers(self.trainer.model)]
         self.scatter_batch = BatchScatter(ctx.groups, moe_layers=moe_layers)
 
-    def _build_driver(self, extra: dict) -> None:
+    def _start_engines(self) -> dict[int, int]:
+        """The driver starts (or connects to) the engines; colocated, they release their memory at once and every
+        rank waits for that before building anything on the GPU (slime's order: an engine started by slurm/lib.sh
+        holds mem_fraction_static of every GPU, and the trainer beside it would not fit). Returns the released
+        engines ({engine: incarnation}; their memory comes back at the first push)."""
+        colocated = self.cfg.rollout.mode == "colocated"
+        released: dict[int, int] = {}
+        if self.is_driver:
+            self._build_driver()
+            if colocated:
+                self.ledger.arrive(ENGINE_WEIGHTS, ENGINE_KV_CACHE)
+            self.ledger.moment("start: engines up")
+            if colocated:
+                released = self._release_at_start()
+                self.ledger.moment("start: engines released")
+        if colocated:
+            coll.barrier(group=host_group())  # host group, long timeout: engines may take minutes to answer
+        return released
+
+    def _release_at_start(self) -> dict[int, int]:
+        h = self.driver.health
+        serving = {i: h.incarnation[i] for i in h.serving()}
+
+        async def release():
+            return await asyncio.gather(*(self.driver.engines[i].release_memory_occupation(["weights", "kv_cache"])
+                                          for i in serving))
+
+        self.driver.run(release())  # an engine that cannot release at start-up stops the run: nothing has trained
+        self.ledger.leave(ENGINE_WEIGHTS, ENGINE_KV_CACHE)
+        return serving
+
+    def _build_driver(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         engines = start_engines(self.cfg, self.out / "engines",
                                 routed_experts=self.cfg.grpo.wants_routed_experts())
@@ -114,6 +160,9 @@ class GRPORun:
         else:  # rollout_engines: answered up front by the rollout engines (the first step's rollouts)
             reference = None
         self.driver = RolloutDriver(self.cfg, self.out, engines, reference)
+
+    def _restore_driver(self, extra: dict) -> None:
+        """The driver's data state, once the trainer's checkpoint (if any) has been read."""
         self.sampler = build_mix_sampler(self.cfg.data)
         if "sampler" in extra:
             self.sampler.load_state_dict(extra["sampler"])
@@ -143,8 +192,7 @@ class GRPORun:
             return
         if self.is_driver:
             self.writer.scalars(step, self.metrics)
-        self.colocate.to_checkpoint()  # the engines release first: they and the trainer never share the GPU
-        path = self.trainer.save(extra=_broadcast({"sampler": self._sampler_at_step_start} if self.is_driver else {}))
+        path = self._checkpoint({"sampler": self._sampler_at_step_start} if self.is_driver else {})
         raise LostCapacityError(f"{error}. Checkpoint of step {step}'s start: {path}; bring the engines back (or raise "
                                 f"rollout.health.max_lost_capacity) and resume (checkpoint.resume=true)")
 
@@ -154,8 +202,7 @@ class GRPORun:
         resumed run redoes the step) and True: the loop ends here instead of after the step."""
         if not _any_rank(self.stop.requested):
             return False
-        self.colocate.to_checkpoint()  # the engines release first: they and the trainer never share the GPU
-        path = self.trainer.save(extra=_broadcast({"sampler": self._sampler_at_step_start} if self.is_driver else {}))
+        path = self._checkpoint({"sampler": self._sampler_at_step_start} if self.is_driver else {})
         if self.is_driver:
             print(f"grpo: stop signal during step {step}'s rollouts: checkpoint of the step's start saved at {path}",
                   flush=True)
@@ -167,7 +214,10 @@ class GRPORun:
         self.colocate.to_scoring(step)
         t0 = time.perf_counter()
         triples = preference_inputs(ro.collected.items, ro.collected.rollouts, ro.references) if ro else None
+        self.ledger.arrive(RM_ACTIVATIONS)
+        self.ledger.moment("scoring", step)
         s = self.preference.score(*_broadcast(triples))
+        self.ledger.leave(RM_ACTIVATIONS)
         self.metrics["time/preference_s"] = time.perf_counter() - t0
         return s
 
@@ -187,12 +237,15 @@ class GRPORun:
             raise RuntimeError("GRPO: the trainer's state is offloaded (colocated rollout phase); reload it first")
         g = self.cfg.grpo
         t0 = time.perf_counter()
+        self.ledger.arrive(POLICY_ACTIVATIONS)
+        self.ledger.moment("train", step)
         history, lr = self.trainer.policy_step(lambda ddp, optimizer: policy_update(
             ddp, optimizer, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
             aggregation=g.loss_aggregation, batching=self.batching, updates=g.updates_per_batch,
             replay=g.routing_replay, temperature=training_temperature(self.cfg.rollout),
             check_values=g.check_loss_values, norm_tokens=g.loss_norm_tokens))
         dt = time.perf_counter() - t0
+        self.ledger.leave(POLICY_ACTIVATIONS)
         m = self.metrics
         m.update({f"train/{k}": v for k, v in (history[-1] if history else {}).items()})
         if len(history) > 1:  # several updates: also the first one's drift from pi_old (0 there: pi_theta is pi_old)
@@ -206,8 +259,7 @@ class GRPORun:
         colocated, the engines hold no memory then and the trainer's state is resident, so the two never share
         the GPU for a save (the engines get their memory back at the push)."""
         if self.trainer.should_save() or self.trainer.iteration >= self.cfg.grpo.steps:
-            self.colocate.to_checkpoint()  # a step without signal left the state offloaded; the engines are released
-            self.trainer.save(extra=_broadcast(self._driver_state()))
+            self._checkpoint(self._driver_state())  # a step without signal left the state offloaded
 
     def push_weights(self, step: Optional[int] = None) -> None:
         """Push the policy to the engines from every rank (owner-parallel, weights/delivery.py). Before the
@@ -215,8 +267,7 @@ class GRPORun:
         (<output_dir>/reference_weights) for the in-process reference engine; after the last step the final
         policy is written too (final_weights). Colocated: the engines' weight memory comes back first."""
         cfg, first = self.cfg, step is None
-        if not first:
-            self.colocate.to_sync(step)
+        self.colocate.to_sync(step)  # the first push too: the engines were released at start-up
         t0 = time.perf_counter()
         bucket = cfg.weight_bucket_bytes()
         in_process_reference = cfg.reference_source() == "in_process"
@@ -229,8 +280,11 @@ class GRPORun:
             self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
         # engines down since the last update come back first (restarted or waited for); the push reaches every live one
         live = _broadcast(self.driver.recover_engines() if self.is_driver else None)
+        self.ledger.arrive(EXPORT_BUCKETS)
+        self.ledger.moment("push", step)
         stats = self.weight_sync.push(self.trainer.model, cfg.model.architecture, self.ctx.groups,
                                       version=str(self.trainer.iteration), live=live)
+        self.ledger.leave(EXPORT_BUCKETS)
         if self.is_driver:
             self.driver.engines_synced(live)
             if not first:  # before the first step the counts wait for step 0's (metrics start at begin_step)
@@ -242,8 +296,8 @@ class GRPORun:
         self.metrics.update({"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/GB": stats.bytes / 1e9,
                              "weight_sync/max_rank_sent_GB": max(sent, default=0) / 1e9,
                              "weight_sync/max_over_mean": max(sent, default=0) / mean if mean else 0.0})
+        self.colocate.after_sync(step)
         if not first:
-            self.colocate.after_sync(step)
             self.metrics.update(self.colocate.metrics)
 
     def end_step(self, step: int) -> None:
@@ -261,10 +315,16 @@ class GRPORun:
         """On a stop signal, a checkpoint of where the run stopped (colocated: the engines release their memory
         first, then the trainer's state comes back)."""
         if self.stopping:  # agreed in finished(): every rank saves, whichever got the signal
-            self.colocate.to_checkpoint()
-            self.trainer.save(extra=_broadcast(self._driver_state()))
+            self._checkpoint(self._driver_state())
             if self.is_driver:
                 print(f"grpo: stop signal: checkpoint saved at step {self.trainer.iteration}", flush=True)
+
+    def _checkpoint(self, extra: dict) -> Path:
+        """Save on every rank (`extra`: the driver's, broadcast); colocated, the engines release first and the
+        trainer's state comes back: a save never shares the GPU with an engine."""
+        self.colocate.to_checkpoint()
+        self.ledger.moment("checkpoint save", self.trainer.iteration)
+        return self.trainer.save(extra=_broadcast(extra))
 
     def close(self) -> None:
         try:

@@ -77,6 +77,9 @@ def build_weight_sync(cfg, urls: Sequence[str], output_dir: Path) -> WeightSync:
         engine_node=engine_node, link_costs=LinkCosts.for_cluster(cfg.cluster, colocated=engine_node is not None),
         engine_ranks=[r.sglang.tp * r.sglang.dp if r.engine == "sglang" else 1] * len(clients),
         backend="nccl" if torch.cuda.is_available() else "gloo", owns_engines=True,
+        # GRPO freezes the MTP block (train/grpo_run.py), so the engines keep what they loaded; SGLang 0.5.23's
+        # Qwen3.5 load_weights skips every "mtp" name anyway (models/qwen3_5.py): never pushed
+        skip_prefixes=("mtp.",),
     )
     return sync
 

@@ -13,7 +13,9 @@ Grouping, per optimizer step:
   alone. Ranks of one expert-parallel group exchange tokens in every micro-batch, so all data-parallel ranks
   must run the same number of them: the caller agrees on the largest count (`agree`) and `plan_groups` splits
   this rank's largest micro-batches to reach it; where rows run out, inert micro-batches (one row, no trained
-  token) make up the rest.
+  token) make up the rest. Under pipeline parallelism a budget keeps at least `min_count` micro-batches
+  (4 x PP, as far as rows allow): 1F1B idles each stage for PP - 1 of m + PP - 1 slots, so packing 16 rows
+  into 3 micro-batches at PP 4 would idle half the pipeline.
 
 Pure functions of the mask and plain lists; policy_step.py builds the RolloutBatch slices.
 """
@@ -35,6 +37,7 @@ class Batching:
     max_tokens: Optional[int] = None  # grpo.max_tokens_per_micro_batch: a token budget instead of a row count
     multiple: int = 1  # parallel.sequence_multiple
     trim: bool = True  # grpo.trim_padding: cut each micro-batch to its longest row
+    min_count: int = 1  # with a budget: at least this many micro-batches per step, rows allowing (4 x PP)
 
 
 def trained_lengths(mask_BS: torch.Tensor) -> list[int]:
@@ -87,13 +90,16 @@ def split_to(groups: list[list[int]], count: int, lengths: list[int], multiple: 
 
 
 def plan_groups(lengths: list[int], rows_per_mb: int, max_tokens: Optional[int], multiple: int, full: int,
-                agree: Optional[Callable[[int], int]] = None) -> tuple[list[list[int]], int]:
-    """Row groups of one optimizer step and how many inert micro-batches to add. With a budget, `agree(n)`
-    returns the largest n over the data-parallel ranks (every rank calls it, once per optimizer step)."""
+                agree: Optional[Callable[[int], int]] = None, min_count: int = 1) -> tuple[list[list[int]], int]:
+    """Row groups of one optimizer step and how many inert micro-batches to add. With a budget, at least
+    min(min_count, rows) groups, and `agree(n)` returns the largest n over the data-parallel ranks (every rank
+    calls it, once per optimizer step)."""
     groups = group_rows(lengths, rows_per_mb, max_tokens, multiple, full)
-    if max_tokens is None or agree is None:
+    if max_tokens is None:
         return groups, 0
-    count = agree(len(groups))
+    count = max(len(groups), min(min_count, len(lengths)))
+    if agree is not None:
+        count = agree(count)
     groups = split_to(groups, count, lengths, multiple, full)
     return groups, count - len(groups)
 

@@ -18,9 +18,11 @@ around the phases that never touch the trainer, and `Trainer` refuses to step wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+
+from megatron_search.plan.residency import Ledger
 
 
 def _optimizer_tensors(opt) -> Iterator[torch.Tensor]:
@@ -68,6 +70,18 @@ class StateOffloader:
     model_chunks: list
     optimizer: object
     saved: dict[str, list[_Saved]] = field(default_factory=dict)
+    ledger: Optional[Ledger] = None  # told what arrives and leaves, as holders[kind] (plan/residency.py)
+    holders: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.ledger is not None:
+            storages = self._storages()
+            self.ledger.arrive(*(h for k, h in self.holders.items() if any(s.nbytes() for s in storages[k])))
+
+    def _report(self, kinds, arrived: bool) -> None:
+        if self.ledger is not None:
+            names = [self.holders[k] for k in kinds if k in self.holders]
+            (self.ledger.arrive if arrived else self.ledger.leave)(*names)
 
     def _storages(self) -> dict[str, list[torch.UntypedStorage]]:
         named: dict[str, list[torch.Tensor]] = {k: [] for k in KINDS}
@@ -136,12 +150,14 @@ class StateOffloader:
             item.storage.resize_(0)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the freed blocks back to the driver, where the engines can map them
+        self._report(kinds, arrived=False)
         return moved
 
     def reload(self, kinds=KINDS) -> int:
         """Give the storages of `kinds` their bytes back (same storage objects, so views stay valid)."""
         moved = 0
-        for kind in [k for k in KINDS if k in kinds and k in self.saved]:
+        back = [k for k in KINDS if k in kinds and k in self.saved]
+        for kind in back:
             for item in self.saved.pop(kind):
                 item.storage.resize_(item.nbytes)
                 if item.host is None:
@@ -151,6 +167,7 @@ class StateOffloader:
                 moved += item.nbytes
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        self._report(back, arrived=True)
         return moved
 
 

@@ -158,7 +158,8 @@ def plan_microbatches(batch: RolloutBatch, updates: int, batching: Batching, rul
     for u in range(updates):
         part = batch.slice(u * per, (u + 1) * per)
         lengths = trained_lengths(part.mask_BS)
-        groups, inert = plan_groups(lengths, batching.rows, batching.max_tokens, batching.multiple, full, agree)
+        groups, inert = plan_groups(lengths, batching.rows, batching.max_tokens, batching.multiple, full, agree,
+                                    batching.min_count)
         mbs = build_microbatches(part, groups, inert, batching.multiple, batching.trim)
         if batching.trim and rule != "free":
             widths = torch.tensor([mb.tokens_BS.shape[1] for mb in mbs])

@@ -11,7 +11,7 @@
         if trainer.should_save(): trainer.save(extra={"sampler": ...})
 
 API (kept stable for train/sft.py and train/grpo.py):
-- `Trainer(cfg, ctx, total_steps, train_mtp=True, routing_replay=False)`: builds this rank's model chunks (models/provider.py),
+- `Trainer(cfg, ctx, total_steps, train_mtp=True, routing_replay=False, variable_shapes=False)`: builds this rank's model chunks (models/provider.py),
   wraps them in Megatron DDP and builds Megatron's optimizer (distributed optimizer where Megatron
   supports it: on GPU; gloo lacks reduce_scatter) -- all through trainer/step.py. With
   model.mtp on, `train_mtp=False` (GRPO) freezes the MTP layer before the DDP wrap: no gradients,
@@ -73,14 +73,15 @@ def checkpoint_root(cfg) -> Path:
 class Trainer:
     """Megatron model + optimizer + schedule for one run; see the module docstring for the API."""
 
-    def __init__(self, cfg, ctx, total_steps: int, train_mtp: bool = True, routing_replay: bool = False):
+    def __init__(self, cfg, ctx, total_steps: int, train_mtp: bool = True, routing_replay: bool = False,
+                 variable_shapes: bool = False):
         if total_steps < 1:
             raise ValueError(f"Trainer: total_steps must be >= 1, got {total_steps}")
         problems = training_problems(cfg)  # also checked when the config is loaded for a stage
         if problems:
             raise ConfigError(problems, "Trainer")
         self.cfg, self.ctx, self.total_steps = cfg, ctx, total_steps
-        self.model = build_model_chunks(cfg, ctx.groups, routing_replay)
+        self.model = build_model_chunks(cfg, ctx.groups, routing_replay, variable_shapes)
         self.train_mtp = train_mtp
         if not train_mtp:
             freeze_mtp(self.model)

@@ -50,8 +50,8 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
     """Megatron DDP around each chunk and the TransformerConfig hooks the schedules call.
 
     parallel.overlap_grad_reduce / overlap_param_gather as Megatron-LM's training loop wires them: the schedules
-    start each chunk's grad reduction (grad_sync_func) and parameter gather (param_sync_func) in pipeline order
-    (Megatron-LM's align_grad_reduce / align_param_gather, both on by default there). With overlap_param_gather the
+    start each chunk's grad reduction (grad_sync_func) in pipeline order, and under VPP its parameter gather
+    (param_sync_func, align_param_gather); without VPP each bucket's forward hook starts the next gather. With overlap_param_gather the
     parameters are stale after optimizer.step() until the next forward gathers them: every reader outside a
     forward (checkpoint save, weight export) calls models.provider.sync_params first."""
     p = cfg.parallel
@@ -60,7 +60,9 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=bool(p.overlap_grad_reduce),
         overlap_param_gather=overlap_gather,
-        align_param_gather=overlap_gather,
+        # aligned gathers are dispatched by the interleaved schedule only (param_sync_func); without VPP each
+        # bucket's forward hook must start the next one, as Megatron-LM's arguments.py sets it
+        align_param_gather=overlap_gather and p.vpp is not None,
         use_distributed_optimizer=distributed_optimizer_enabled(p),
         check_for_nan_in_grad=True,
     )
@@ -73,8 +75,9 @@ def wrap_ddp(cfg, chunks: list, config) -> list:
     config.no_sync_func = wrapped[0].no_sync if one else [m.no_sync for m in wrapped]
     if ddp_config.overlap_grad_reduce:
         config.grad_sync_func = wrapped[0].start_grad_sync if one else [m.start_grad_sync for m in wrapped]
-    if overlap_gather:
+    if overlap_gather and ddp_config.align_param_gather:
         config.param_sync_func = wrapped[0].start_param_sync if one else [m.start_param_sync for m in wrapped]
+    if overlap_gather:
         for chunk, ddp in zip(chunks, wrapped):
             attach_param_sync(chunk, partial(ddp.start_param_sync, force_sync=True))
     return wrapped

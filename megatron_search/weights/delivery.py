@@ -82,7 +82,8 @@ class WeightSync:
                  rank_node: Optional[Sequence[int]] = None, engine_node: Optional[Sequence[int]] = None,
                  world_group=None, backend: str = "gloo", senders: Optional[Sequence[int]] = None,
                  owns_engines: bool = False, link_costs: Optional[LinkCosts] = None,
-                 in_place_min_bytes: int = 16 << 20):
+                 in_place_min_bytes: int = 16 << 20, skip_prefixes: tuple[str, ...] = ()):
+        """`skip_prefixes`: Megatron parameter names never pushed (GRPO: "mtp.", train/grpo_sync.py)."""
         if mode not in ("tensor", "distributed", "disk"):
             raise ValueError(f"weight sync mode must be tensor, distributed or disk, got {mode!r}")
         if inflight not in ("abort", "finish"):
@@ -99,6 +100,7 @@ class WeightSync:
         # distributed mode: a run of parameters lying back to back (Megatron DDP's buffers) of at least this
         # many bytes is broadcast from where it lies, not copied into the staging buffer first
         self.in_place_min_bytes = in_place_min_bytes
+        self.skip_prefixes = tuple(skip_prefixes)
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.sender_address, self.backend = sender_address, backend
         self.engine_ranks = list(engine_ranks) if engine_ranks is not None else [1] * len(self.engines)
@@ -203,7 +205,7 @@ class WeightSync:
                                         world_group=self.world_group, destinations=self.destinations,
                                         rank_node=self.rank_node, link_costs=self.link_costs,
                                         in_place_min_bytes=self.in_place_min_bytes if self.mode == "distributed"
-                                        else None)
+                                        else None, skip_prefixes=self.skip_prefixes)
             self._exporter_key = key
         return self._exporter
 

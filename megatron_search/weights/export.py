@@ -135,7 +135,10 @@ class HFExporter:
     def __init__(self, model_chunks, arch: Architecture, groups, bucket_bytes: int, *, dst_rank: int = 0,
                  out_dtype: Optional[torch.dtype] = None, world_group=None,
                  destinations: Optional[Sequence[Destination]] = None, rank_node: Optional[Sequence[int]] = None,
-                 link_costs: Optional[LinkCosts] = None, in_place_min_bytes: Optional[int] = None):
+                 link_costs: Optional[LinkCosts] = None, in_place_min_bytes: Optional[int] = None,
+                 skip_prefixes: tuple[str, ...] = ()):
+        """`skip_prefixes`: Megatron parameter names left out of the export (GRPO's push: "mtp.", see
+        weights/delivery.py)."""
         if bucket_bytes <= 0:
             raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.world_group = world_group
@@ -146,7 +149,8 @@ class HFExporter:
         self.bucket_bytes = bucket_bytes
         self.model_chunks = list(model_chunks)  # every pass gathers them first (sync_params)
         mapping0 = model_mapping(model_chunks, arch)  # MTP rules when the model builds MTP layers
-        self.local: dict[str, LocalParam] = {p.global_name: p for p in local_params(model_chunks, mapping0, groups)}
+        self.local: dict[str, LocalParam] = {p.global_name: p for p in local_params(model_chunks, mapping0, groups)
+                                             if not p.global_name.startswith(skip_prefixes)}
         first = next(iter(self.local.values()), None)
         self.device = first.tensor.device if first is not None else torch.device("cpu")
         self.mapping = model_mapping(model_chunks, arch, padded_vocab_size(list(self.local.values()), arch.vocab_size))

@@ -359,6 +359,8 @@ def sglang_command(
         argv.append("--skip-tokenizer-init")  # token in, token out: the transcript is never re-tokenised
     if sg.enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if sg.deterministic_inference:
+        argv.append("--enable-deterministic-inference")  # per-request sampling_seed honoured only with it
     if routed_experts:
         argv.append("--enable-return-routed-experts")
     if sg.context_length:
