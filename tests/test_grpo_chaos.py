@@ -196,6 +196,17 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity
 
     # the limit: step 3 stopped before training, with a checkpoint of its start
     assert result["finished"] is False
+    if mode == "colocated":  # the restarted engine's memory, and the lost-capacity save, in the priced order
+        from test_residency import check_ledger
+
+        check_ledger(out, trained=True, saved=True)
+        assert "push: engine restarted" in (out / "residency.jsonl").read_text()
+    else:  # disaggregated: the engines have GPUs of their own; the training GPU's moments hold only the trainer's
+        from megatron_search.plan.residency import read_ledger
+
+        moments = read_ledger(out / "residency.jsonl")
+        assert {"start: trainer built", "push", "train", "checkpoint save"} <= {m.name for m in moments}
+        assert not any(h.startswith("engine.") for m in moments for h in m.holders)
     err = result["error"]
     assert "GRPO step 3: lost capacity over rollout.health.max_lost_capacity=0.25: 0 of 16 rollouts lost" in err
     assert "1 of 2 engines down after recovery (engine 1: " in err and "step_00000003" in err

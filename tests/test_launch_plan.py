@@ -104,10 +104,14 @@ def test_job_script_generates_a_key_per_job_or_keeps_the_given_one(tmp_path):
 def test_plan_restarts_engines_up_to_the_configured_limit():
     from megatron_search.launch.slurm_plan import describe, to_shell
 
-    p = plan_for(["rollout.health.max_restarts=5"], "n[1-2]")
+    dis = ["rollout.mode=disaggregated", "cluster.rollout_nodes=1"]
+    p = plan_for([*dis, "rollout.health.max_restarts=5"], "n[1-2]")
     assert p.engine_restarts == 5 and "MS_ENGINE_RESTARTS=5" in to_shell(p).splitlines()
     assert "started again, up to 5 times" in describe(p)
-    assert plan_for([], "n[1-2]").engine_restarts == 3  # the schema's default
+    assert plan_for(dis, "n[1-2]").engine_restarts == 3  # the schema's default
+    # colocated: an engine started again by the script would claim its GPUs beside the resident trainer
+    co = plan_for(["rollout.health.max_restarts=5"], "n[1-2]")
+    assert co.engine_restarts == 0 and "MS_ENGINE_RESTARTS=0" in to_shell(co).splitlines()
 
 
 def _fake_srun(tmp_path):

@@ -18,6 +18,7 @@ from megatron_search.plan.residency import (
     POLICY_OPTIMIZER,
     POLICY_PARAMS,
     RM_PARAMS,
+    OPTIONAL,
     Ledger,
     Moment,
     holder_sizes,
@@ -46,12 +47,13 @@ def check_ledger(run_dir: Path, trained: bool, saved: bool) -> None:
     more = [(m.name, sorted(m.holders - planned.get(m.name, frozenset()))) for m in recorded
             if m.name not in planned or not m.holders <= planned[m.name]]
     assert not more, more
-    names = [m.name for m in COLOCATED_ORDER]
+    names = [m.name for m in COLOCATED_ORDER if m.name not in OPTIONAL]
     assert [m.name for m in recorded[:6]] == names[:6]  # start-up, then the initial push
     if trained and saved:
-        assert {m.name for m in recorded} == set(names)
-        assert {(m.name, m.holders) for m in recorded if m.name != "start: trainer built"} == \
-            {(m.name, m.holders) for m in COLOCATED_ORDER if m.name != "start: trainer built"}
+        assert {m.name for m in recorded} - OPTIONAL == set(names)
+        skip = OPTIONAL | {"start: trainer built"}
+        assert {(m.name, m.holders) for m in recorded if m.name not in skip} == \
+            {(m.name, m.holders) for m in COLOCATED_ORDER if m.name not in skip}
     for path in CONFIGS:
         sizes, usable = _sizes(path)
         peak = max(price(recorded, sizes), key=lambda m: m.total)

@@ -41,11 +41,15 @@ def test_grpo_resume_after_a_crash_is_bitwise(tmp_path):
     run_spawned(g.pipeline_worker, 1, fx, {"sft": g.sft_overrides(fx, 40, 3e-3, SEED), "rm": g.rm_args(fx),
                                            "grpo": [("straight", straight_args)]})
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    shutil.copytree(straight, crashed, ignore=shutil.ignore_patterns("tensorboard", "final_weights", "step_00000003"))
+    shutil.copytree(straight, crashed, ignore=shutil.ignore_patterns("tensorboard", "final_weights", "step_00000003",
+                                                                    "residency.jsonl"))
     (crashed / "checkpoints" / "latest").write_text("step_00000002\n")
     resumed_args = g.grpo_overrides(fx, "crashed", STEPS, LR, SEED, extra=[*EXACT, "checkpoint.resume=true"])
     run_spawned(g.pipeline_worker, 1, fx, {"grpo": [("crashed", resumed_args)]})
 
+    from test_residency import check_ledger
+
+    check_ledger(crashed, trained=True, saved=True)  # the resumed run: start-up, load, one step, its save
     full, resumed = _scalars(straight), _scalars(crashed)
     assert sorted(full["train/loss"]) == [0, 1, 2], full["train/loss"]  # every step trained
     for tag in ("train/loss", "train/grad_norm", "train/is_weight_mean", "reward/mean", "reward/r_base",

@@ -120,8 +120,12 @@ def make_launch_plan(
         train_nodes = nodes[: len(nodes) - c.rollout_nodes]
     else:
         train_nodes = nodes
+    # Colocated, an engine the job script starts again would claim mem_fraction_static of its GPUs at whatever moment
+    # it exits, the trainer resident beside it (an OOM on both): the script never restarts one there, the driver
+    # counts it down (rollout.health.max_lost_capacity). Disaggregated engines have their GPUs to themselves.
+    restarts = cfg.rollout.health.max_restarts if cfg.rollout.mode == "disaggregated" else 0
     plan = LaunchPlan(stage, train_nodes, rollout_nodes, tasks, train_nodes[0], api_key_env=cfg.rollout.api_key_env,
-                      engine_restarts=cfg.rollout.health.max_restarts)
+                      engine_restarts=restarts)
     plan.engine_kind = "vLLM" if cfg.rollout.engine == "vllm" else "SGLang"
     if stage == "grpo" and cfg.rollout.engine == "vllm":
         _plan_vllm(plan, cfg, rollout_nodes or nodes)

@@ -32,7 +32,10 @@ class Moment:
 
 _TRAINER = frozenset({POLICY_PARAMS, POLICY_GRADS, POLICY_OPTIMIZER})
 _ENGINE = frozenset({ENGINE_WEIGHTS, ENGINE_KV_CACHE})
+OPTIONAL = {"push: engine restarted"}  # moments a run passes through only when something happens
 _PUSH = [Moment("push: engine weights back", frozenset({POLICY_PARAMS, ENGINE_WEIGHTS})),
+         # only when an engine came back since its release (a restart holds its whole memory until told)
+         Moment("push: engine restarted", frozenset({POLICY_PARAMS}) | _ENGINE),
          Moment("push", frozenset({POLICY_PARAMS, ENGINE_WEIGHTS, EXPORT_BUCKETS})),
          Moment("push done: kv cache back", _ENGINE)]
 COLOCATED_ORDER: list[Moment] = [

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_search.plan.residency import (
+    ENGINE_KV_CACHE,
     ENGINE_TAGS,
+    ENGINE_WEIGHTS,
     POLICY_GRADS,
     POLICY_OPTIMIZER,
     POLICY_PARAMS,
@@ -40,6 +42,15 @@ from megatron_search.rollout.engine.base import EngineError
 from megatron_search.rollout.engine.health import DOWN
 
 from .offload import StateOffloader
+
+
+async def paused_release(client, tags: list[str]) -> None:
+    """pause (abort) -> release `tags` -> continue on one engine: SGLang asserts its scheduler is fully idle on a
+    release (weight_updater.py; a cancelled attempt or the last probe may still be in it, waiting requests are
+    ignored only while paused), and /ready answers 503 while paused; nothing is sent before the KV cache is back."""
+    await client.pause_generation("abort")
+    await client.release_memory_occupation(tags)
+    await client.continue_generation()
 
 
 class ColocatedCycle:
@@ -57,6 +68,7 @@ class ColocatedCycle:
         self.log = out_dir / "colocate_phases.jsonl"
         # engine -> incarnation of the process that released its memory
         self.released: dict[int, int] = dict(released or {})
+        self.released_down: dict[int, int] = {}  # engines released while marked down (best effort, _release_down)
         self.metrics: dict[str, float] = {}
 
     @property
@@ -79,7 +91,8 @@ class ColocatedCycle:
         if not self.enabled:
             return
         with self._timed("time/release_s"):
-            self.released = self._engines("release_memory_occupation", ["weights", "kv_cache"], self._serving())
+            self.released = self._release(["weights", "kv_cache"], self._serving())
+            self._release_down()
         with self._timed("time/offload_s"):
             self.rm.reload(("params",))
         self._record(step, "scoring")
@@ -109,6 +122,28 @@ class ColocatedCycle:
         self._record(step, "sync")
         self.ledger.moment("push: engine weights back", step)
 
+    def adopt_restarted(self, live: dict[int, int], step: Optional[int]) -> None:
+        """After recovery, before the push (driver): an engine restarted since its release holds its whole memory
+        beside the trainer's parameters (gradients, optimizer and reward model are gone by then); its KV cache
+        leaves until after the push, as every other engine's."""
+        if not self.enabled or not self.is_driver:
+            return
+        back = {i: n for i, n in live.items() if self.released.get(i) != n}
+        # an attached engine released while it was down answers again as the same process: memory released
+        same = {i: n for i, n in back.items() if i in self.released_down and not self.driver.engines.started(i)}
+        restarted = {i: n for i, n in back.items() if i not in same}
+        for i in back:
+            self.released_down.pop(i, None)
+        if same:
+            with self._timed("time/resume_s"):
+                self.released.update(self._engines("resume_memory_occupation", ["weights"], same))
+        if not restarted:
+            return
+        self.ledger.arrive(ENGINE_WEIGHTS, ENGINE_KV_CACHE)
+        self.ledger.moment("push: engine restarted", step)
+        with self._timed("time/release_s"):
+            self.released.update(self._release(["kv_cache"], restarted))
+
     def after_sync(self, step: Optional[int]) -> None:
         """After the push: the trainer's parameters leave, then the KV cache returns and generation can start
         again (the parameters and the KV cache never share the GPU)."""
@@ -129,8 +164,9 @@ class ColocatedCycle:
         model leaves, then the trainer's state returns: a save never shares the GPU with an engine."""
         if self.enabled and not self.released:
             with self._timed("time/release_s"):
-                self.released = self._engines("release_memory_occupation", ["weights", "kv_cache"], self._serving())
+                self.released = self._release(["weights", "kv_cache"], self._serving())
         if self.enabled:
+            self._release_down()
             self.rm.offload(("params",))  # a step without signal went from scoring straight to its save
         self.ensure_resident()
 
@@ -163,13 +199,45 @@ class ColocatedCycle:
         h = self.driver.health
         return {i: n for i, n in engines.items() if h.state[i] != DOWN and h.incarnation[i] == n}
 
-    def _engines(self, method: str, tags: list[str], engines: dict[int, int]) -> dict[int, int]:
-        """`method(tags)` on these engines (driver only); one that fails is marked down. Returns those that did it."""
+    def _release(self, tags: list[str], engines: dict[int, int]) -> dict[int, int]:
+        """Release `tags` on these engines in paused_release's order, each step's failures marked down."""
+        paused = self._engines("pause_generation", None, engines, "abort")
+        done = self._engines("release_memory_occupation", tags, paused)
+        self._engines("continue_generation", None, done)
+        return done
+
+    def _release_down(self) -> None:
+        """Best effort (driver): an engine marked down may still be alive and hold its memory beside the trainer
+        about to come back; release it too (a dead one cannot answer: ignored). An attached engine released so
+        and answering again later gets its memory back at the push (adopt_restarted)."""
         if not self.is_driver:
+            return
+        h = self.driver.health
+        down = {i: h.incarnation[i] for i in range(len(self.driver.engines)) if h.state[i] == DOWN
+                and self.released.get(i) != h.incarnation[i] and self.released_down.get(i) != h.incarnation[i]}
+
+        async def quiet(i: int) -> bool:
+            try:
+                await paused_release(self.driver.engines[i], ["weights", "kv_cache"])
+                return True
+            except EngineError:
+                return False
+
+        async def all_down():
+            return await asyncio.gather(*(quiet(i) for i in down))
+
+        if down:
+            self.released_down.update({i: n for (i, n), ok in zip(down.items(), self.driver.run(all_down())) if ok})
+
+    def _engines(self, method: str, tags: Optional[list[str]], engines: dict[int, int], *args) -> dict[int, int]:
+        """`method(tags)` (or `method(*args)`) on these engines (driver only); one that fails is marked down.
+        Returns those that did it."""
+        if not self.is_driver or not engines:
             return {}
+        call_args = args if tags is None else (tags,)
 
         async def call():
-            return await asyncio.gather(*(getattr(self.driver.engines[i], method)(tags) for i in engines),
+            return await asyncio.gather(*(getattr(self.driver.engines[i], method)(*call_args) for i in engines),
                                         return_exceptions=True)
 
         done = {}
@@ -180,7 +248,7 @@ class ColocatedCycle:
                 raise r
             else:
                 done[i] = n
-        if done:  # the driver's GPU: engine 0's first TP rank shares it (an engine that failed is down, its memory gone)
+        if done and tags is not None:  # the driver's GPU: engine 0's first TP rank shares it
             holders = [ENGINE_TAGS[t] for t in tags]
             (self.ledger.arrive if method.startswith("resume") else self.ledger.leave)(*holders)
         return done

@@ -46,7 +46,7 @@ from megatron_search.trainer.metrics import MetricsWriter, format_line
 from megatron_search.trainer.signals import StopRequest
 
 from .batch_scatter import BatchScatter
-from .grpo_colocate import ColocatedCycle
+from .grpo_colocate import ColocatedCycle, paused_release
 from .grpo_data import build_eval_items, build_mix_sampler
 from .grpo_driver import Collected, RolloutDriver
 from .grpo_metrics import rollout_metrics
@@ -139,7 +139,7 @@ class GRPORun:
         serving = {i: h.incarnation[i] for i in h.serving()}
 
         async def release():
-            return await asyncio.gather(*(self.driver.engines[i].release_memory_occupation(["weights", "kv_cache"])
+            return await asyncio.gather(*(paused_release(self.driver.engines[i], ["weights", "kv_cache"])
                                           for i in serving))
 
         self.driver.run(release())  # an engine that cannot release at start-up stops the run: nothing has trained
@@ -280,6 +280,7 @@ class GRPORun:
             self.driver.run(self.driver.reference_engine.update_weights_from_disk(str(ref_dir), "reference"))
         # engines down since the last update come back first (restarted or waited for); the push reaches every live one
         live = _broadcast(self.driver.recover_engines() if self.is_driver else None)
+        self.colocate.adopt_restarted(live, step)
         self.ledger.arrive(EXPORT_BUCKETS)
         self.ledger.moment("push", step)
         stats = self.weight_sync.push(self.trainer.model, cfg.model.architecture, self.ctx.groups,
