@@ -204,9 +204,15 @@ def test_engine_killed_mid_step_is_restarted_resynced_and_then_the_lost_capacity
     else:  # disaggregated: the engines have GPUs of their own; the training GPU's moments hold only the trainer's
         from megatron_search.plan.residency import read_ledger
 
+        from megatron_search.plan.residency import price
+        from test_residency import CONFIGS, _sizes
+
         moments = read_ledger(out / "residency.jsonl")
         assert {"start: trainer built", "push", "train", "checkpoint save"} <= {m.name for m in moments}
         assert not any(h.startswith("engine.") for m in moments for h in m.holders)
+        for path in CONFIGS:  # priced at the real sizes: the trainer and the resident reward model fit
+            sizes, usable = _sizes(path)
+            assert max(m.total for m in price(moments, sizes)) <= usable, path
     err = result["error"]
     assert "GRPO step 3: lost capacity over rollout.health.max_lost_capacity=0.25: 0 of 16 rollouts lost" in err
     assert "1 of 2 engines down after recovery (engine 1: " in err and "step_00000003" in err

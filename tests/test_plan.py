@@ -249,3 +249,16 @@ def test_a_token_budget_prices_its_micro_batch_as_the_longer_of_budget_and_row()
     wide = make_plan(load_config(BIG, ["grpo.max_tokens_per_micro_batch=32768", "grpo.micro_batch_size=7"]),
                      "grpo").stages
     assert [s.activations for s in wide] == [s.activations for s in two]
+
+
+def test_step_0_reference_time_and_its_timeout():
+    # 397B: every answer of the run at step 0 (400 steps x 64 prompts x 8), each at most min(2048 x 16 turns, 16,384)
+    # tokens, on 256 / TP 8 = 32 engines at 8,000 tokens/s: 13,107 s, inside the host group's 6 h
+    est = make_plan(load_config(BIG, ["parallel.world_size=null"])).references
+    assert (est.answers, est.tokens_each, est.engines) == (204_800, 16_384, 32)
+    assert est.seconds == pytest.approx(204_800 * 16_384 / (32 * 8000), rel=1e-12) and est.timeout_s == 6 * 3600
+    slow = make_plan(load_config(BIG, ["parallel.world_size=null", "cluster.engine_tokens_per_s=3000"]))
+    (problem,) = [p for p in slow.problems if p.startswith("grpo.reference_source")]
+    assert "up to 9.7 h" in problem and "parallel.phase_timeout_s" in problem
+    served = make_plan(load_config(BIG, ["parallel.world_size=null", "grpo.reference_urls=[http://127.0.0.1:1]"]))
+    assert served.references is None and served.fits

@@ -31,6 +31,9 @@ class ClusterConfig(Section):
         200.0, description="the throughput a training GPU sustains, TFLOP/s of the model's FLOPs recompute included "
         "(an assumption: Megatron-Core reports 253 FP8 for Qwen3-235B on H100; measure yours); the planner's step "
         "time and preemption margin")
+    engine_tokens_per_s: PositiveFloat = Field(
+        8000.0, description="tokens one rollout engine generates per second over many concurrent requests (an "
+        "assumption: measure yours); the planner's time for GRPO's step-0 reference answers")
     memory_headroom_gib: float = Field(
         6.0, ge=0.0, description="per-GPU reserve for the CUDA context, NCCL buffers and fragmentation"
     )

@@ -23,7 +23,7 @@ from megatron_search.config.schema import Config, layout_problems, stage_problem
 
 from .params import ParamCounts, count_params
 from .residency import COLOCATED_ORDER, holder_sizes, price
-from .step_time import step_time
+from .step_time import reference_time, step_time
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,6 +74,7 @@ class Plan:
     moments: list = field(default_factory=list)  # colocated GRPO: plan.residency.PricedMoment, every stage
     checkpoint: object | None = None  # plan.checkpoint.CheckpointEstimate
     step_time: object | None = None  # plan.step_time.StepTimeEstimate
+    references: object | None = None  # plan.step_time.ReferenceEstimate (GRPO, references from the rollout engines)
 
     @property
     def fits(self) -> bool:
@@ -216,6 +217,13 @@ def make_plan(cfg: Config, stage_kind: str = "grpo") -> Plan:
         if sg.tp % sg.ep:
             problems.append(f"rollout.sglang.ep: EP={sg.ep} must divide the engine TP={sg.tp}")
         ro = rollout_memory(cfg, counts, rollout_gpus)
+        plan.references = reference_time(cfg, ro.engines)
+        if plan.references is not None and plan.references.seconds > cfg.parallel.phase_timeout_s:
+            problems.append(f"grpo.reference_source: the rollout engines would answer all {plan.references.answers:,} "
+                            f"reference prompts at step 0, up to {plan.references.seconds / 3600:.1f} h at "
+                            f"cluster.engine_tokens_per_s, longer than the {cfg.parallel.phase_timeout_s / 3600:.1f} h "
+                            "the other ranks wait (parallel.phase_timeout_s); serve a frozen reference "
+                            "(grpo.reference_urls), shorten the run, or raise the timeout")
         plan.rollout = ro
         if ro.kv_budget <= 0:
             problems.append(

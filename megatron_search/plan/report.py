@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .memory import GIB, Plan
-from .step_time import format_step_time
+from .step_time import format_reference_time, format_step_time
 
 
 def format_plan(plan: Plan, title: str) -> str:
@@ -39,6 +39,8 @@ def format_plan(plan: Plan, title: str) -> str:
         lines.append(format_checkpoint(plan.checkpoint))
     if plan.step_time is not None:
         lines.append(format_step_time(plan.step_time))
+    if plan.references is not None:
+        lines.append(format_reference_time(plan.references))
     if plan.sync is not None:
         from .weight_sync import format_sync_report  # start-up: as in memory.py, only with a sync report
 

@@ -64,3 +64,31 @@ def format_step_time(est: StepTimeEstimate) -> str:
     return (f"signal margin: a stop needs {est.margin_s:.0f} s (the update in flight {est.step_s:.0f} s: "
             f"{est.tokens / 1e6:.1f}M tokens, {est.flops / 1e18:.2f} EFLOP at {est.tflops_per_gpu:.0f} TFLOP/s per GPU; then the "
             f"save {est.save_s:.0f} s) of the {est.notice_s:.0f} s notice (cluster.preemption_notice_s)")
+
+
+@dataclass
+class ReferenceEstimate:
+    """grpo.reference_source=rollout_engines: every reference answer of the run is generated at step 0, while the
+    engines still hold the initial policy; every other rank waits for it on the host group."""
+    answers: int  # grpo.steps x prompts_per_step x group_size
+    tokens_each: int  # at most: max_new_tokens per turn x max_turns, capped by max_total_tokens
+    engines: int
+    seconds: float  # at cluster.engine_tokens_per_s per engine, every answer at its cap
+    timeout_s: float  # parallel.phase_timeout_s: the host group's wait
+
+
+def reference_time(cfg: Config, engines: int) -> ReferenceEstimate | None:
+    """Step 0's reference generation (None unless the rollout engines answer the references)."""
+    if cfg.reference_source() != "rollout_engines" or engines <= 0:
+        return None
+    g, r = cfg.grpo, cfg.rollout
+    answers = g.steps * g.prompts_per_step * g.group_size
+    tokens = min(r.max_new_tokens * r.max_turns, r.max_total_tokens)
+    seconds = answers * tokens / (engines * cfg.cluster.engine_tokens_per_s)
+    return ReferenceEstimate(answers, tokens, engines, seconds, cfg.parallel.phase_timeout_s)
+
+
+def format_reference_time(est: ReferenceEstimate) -> str:
+    return (f"step-0 references (grpo.reference_source=rollout_engines): {est.answers:,} answers of up to "
+            f"{est.tokens_each:,} tokens on {est.engines} engine(s): up to {est.seconds / 3600:.1f} h before the first "
+            f"update (parallel.phase_timeout_s {est.timeout_s / 3600:.1f} h)")
