@@ -4,11 +4,17 @@ The conversion itself (TP=2 save, PP=2 load, bitwise export) runs in tests/test_
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from megatron_search.cli import build_parser
-from megatron_search.weights.convert import build_parser as tool_parser
 from megatron_search.weights.convert import convert, world_size_for
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_world_size_fits_expert_parallel_inside_a_stage():
@@ -18,19 +24,40 @@ def test_world_size_fits_expert_parallel_inside_a_stage():
     assert world_size_for(1, 2, 1, 1) == 2
 
 
-def test_cli_and_tool_parse_the_same_options():
+def test_the_cli_parses_the_conversion_options():
     args = build_parser().parse_args(["convert", "mcore-to-hf", "--src", "a", "--out", "b", "--pp", "2",
                                       "--dtype", "bfloat16", "--set", "model.seed=3"])
     assert (args.direction, args.src, args.pp, args.dtype, args.overrides) == ("mcore-to-hf", "a", 2, "bfloat16",
                                                                               ["model.seed=3"])
-    t = tool_parser("hf_to_mcore").parse_args(["--hf", "x", "--out", "y", "--ep", "2", "model.seed=3"])
-    assert (t.src, t.out, t.ep, t.etp, t.overrides) == ("x", "y", 2, None, ["model.seed=3"])
 
 
-def test_missing_config_fails_before_spawning(tmp_path):
+@pytest.mark.parametrize("entry", [["-m", "megatron_search.cli", "convert", "hf-to-mcore"],
+                                   [str(REPO / "tools" / "convert_hf_to_mcore.py")]])
+def test_a_missing_source_is_one_line_and_fast_from_both_entry_points(entry, tmp_path):
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, *entry, "--src", "/nonexistent", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    elapsed = time.perf_counter() - t0
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == ["megatron-search convert hf-to-mcore: --src /nonexistent: no such directory"]
+    assert elapsed < 2.0, elapsed
+
+
+def test_wrong_sources_are_named_before_spawning(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors here"):
+        convert("hf_to_mcore", tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        convert("hf_to_mcore", tmp_path, tmp_path / "out")
-    with pytest.raises(FileNotFoundError, match="hf_extra"):
-        convert("mcore_to_hf", tmp_path, tmp_path / "out")
+        convert("hf_to_mcore", tmp_path / "hf", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="neither a Megatron distributed checkpoint"):
+        convert("mcore_to_hf", tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "mc").mkdir()
+    (tmp_path / "mc" / "metadata.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="hf_extra/config.json"):
+        convert("mcore_to_hf", tmp_path / "mc", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        convert("mcore_to_hf", tmp_path / "mc" / "metadata.json", tmp_path / "out")
     with pytest.raises(ValueError, match="direction"):
         convert("sideways", tmp_path, tmp_path / "out")

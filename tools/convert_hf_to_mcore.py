@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""HF safetensors -> Megatron distributed checkpoint (any TP/PP/EP); see megatron_search/weights/convert.py."""
+"""HF safetensors -> Megatron distributed checkpoint (any TP/PP/EP).
+
+`megatron-search convert hf-to-mcore` with the same flags: --src, --out, --tp/--pp/--ep, --set key.sub=value."""
 import sys
 
-from megatron_search.weights.convert import main
+from megatron_search.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("hf_to_mcore"))
+    sys.exit(main(["convert", "hf-to-mcore", *sys.argv[1:]]))

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Megatron distributed checkpoint -> HF safetensors (any TP/PP/EP); see megatron_search/weights/convert.py."""
+"""Megatron distributed checkpoint (or a training run's checkpoint) -> HF safetensors.
+
+`megatron-search convert mcore-to-hf` with the same flags: --src, --out, --tp/--pp/--ep, --set key.sub=value."""
 import sys
 
-from megatron_search.weights.convert import main
+from megatron_search.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main("mcore_to_hf"))
+    sys.exit(main(["convert", "mcore-to-hf", *sys.argv[1:]]))

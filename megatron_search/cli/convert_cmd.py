@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,9 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_search.weights.convert import convert
+    from megatron_search.weights.sources import source_problem
 
     direction = args.direction.replace("-", "_")
+    problem = source_problem(direction, args.src, args.hf_config)  # before torch, Megatron or any process
+    if problem:
+        print(f"megatron-search convert {args.direction}: {problem}", file=sys.stderr)
+        return 2
+    from megatron_search.weights.convert import convert
+
     summary = convert(direction, args.src, args.out, config=args.config, hf_config=args.hf_config, tp=args.tp,
                       pp=args.pp, ep=args.ep, etp=args.etp, overrides=args.overrides, bucket_mb=args.bucket_mb,
                       shard_mb=args.shard_mb, dtype=args.dtype, progress=not args.no_progress)

@@ -31,8 +31,8 @@ from megatron_search.weights.export import HFExporter
 from megatron_search.weights.hf_source import HFTensorSource
 from megatron_search.weights.load import CheckpointMismatchError, load_hf_into_model
 from megatron_search.weights.safetensors_writer import ShardedSafetensorsWriter
+from megatron_search.weights.sources import EXTRA_DIR
 
-EXTRA_DIR = "hf_extra"
 LAYOUT_FILE = "layout.json"  # how the source stored its experts: {"fused_experts": bool}
 # Small files of an HF checkpoint that travel with it unchanged: what transformers, SGLang and vLLM read beside the
 # weights (Qwen3.5's multimodal class builds its processor from the preprocessor / processor files even when only

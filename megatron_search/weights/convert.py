@@ -8,9 +8,7 @@ launched by torchrun/srun); the Megatron checkpoint itself is layout-free and lo
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -18,8 +16,9 @@ import torch
 
 from megatron_search.config.loader import load_config
 from megatron_search.distributed.init import init_distributed
-from megatron_search.weights.checkpoint import EXTRA_DIR, hf_to_mcore, mcore_to_hf
+from megatron_search.weights.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_search.weights.launch import run_ranks
+from megatron_search.weights.sources import EXTRA_DIR, run_checkpoint_step, source_problem
 
 
 def world_size_for(tp: int, pp: int, ep: int, etp: int) -> int:
@@ -52,18 +51,6 @@ def _rank_main(direction: str, config: Optional[str], overrides: list[str], src:
         ctx.teardown()
 
 
-def run_checkpoint_step(src: Path) -> Optional[Path]:
-    """The step directory of a training run's checkpoint at `src` (a step directory with trainer.json, or a
-    checkpoint root with its `latest` pointer: trainer/checkpoint_dir.py's layout), else None."""
-    if (src / "trainer.json").is_file():
-        return src
-    pointer = src / "latest"
-    if pointer.is_file() and (src / pointer.read_text().strip() / "trainer.json").is_file():
-        return src / pointer.read_text().strip()
-    steps = sorted(p for p in src.glob("step_*") if (p / "trainer.json").is_file() and ".tmp-" not in p.name)
-    return steps[-1] if steps else None  # step_%08d: the newest complete one
-
-
 def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optional[str] = None,
             hf_config: Optional[str] = None, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
             overrides: Sequence[str] = (), bucket_mb: Optional[int] = None, shard_mb: int = 4096,
@@ -75,6 +62,9 @@ def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optiona
     HF directory whose tokenizer, chat template and processor files go beside the weights."""
     if direction not in ("hf_to_mcore", "mcore_to_hf"):
         raise ValueError(f"direction must be hf_to_mcore or mcore_to_hf, got {direction!r}")
+    problem = source_problem(direction, src, hf_config)
+    if problem:
+        raise FileNotFoundError(problem)
     step = run_checkpoint_step(Path(src)) if direction == "mcore_to_hf" else None
     if step is not None:
         src, config = step / "model_optim", config or str(step / "config.yaml")
@@ -92,44 +82,3 @@ def convert(direction: str, src: str | Path, dst: str | Path, *, config: Optiona
     world = world_size_for(tp, pp, ep, etp)
     results = run_ranks(_rank_main, world, direction, config, ov, src, dst, opts)
     return results[0]
-
-
-def build_parser(direction: str) -> argparse.ArgumentParser:
-    src_flag = "--hf" if direction == "hf_to_mcore" else "--mcore"
-    p = argparse.ArgumentParser(
-        description="Convert an HF safetensors checkpoint to a Megatron distributed checkpoint"
-        if direction == "hf_to_mcore" else "Convert a Megatron distributed checkpoint to HF safetensors"
-    )
-    p.add_argument(src_flag, dest="src", required=True, help="source checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--config", default=None, help="megatron-search YAML (defaults: built-in schema defaults)")
-    p.add_argument("--hf-config", default=None, help="HF config.json (default: the source's)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--etp", type=int, default=None, help="expert TP (default: TP when EP=1, else 1)")
-    p.add_argument("--bucket-mb", type=int, default=None,
-                   help="export bucket size (mcore -> HF); default: 512, or the embedding's size when larger")
-    p.add_argument("--shard-mb", type=int, default=4096, help="largest safetensors file (mcore -> HF)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="cast exported tensors (mcore -> HF); default: keep the checkpoint's dtype")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("overrides", nargs="*", help="config overrides key.sub=value")
-    return p
-
-
-def main(direction: str, argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser(direction).parse_args(argv)
-    summary = convert(direction, args.src, args.out, config=args.config, hf_config=args.hf_config, tp=args.tp,
-                      pp=args.pp, ep=args.ep, etp=args.etp, overrides=args.overrides, bucket_mb=args.bucket_mb,
-                      shard_mb=args.shard_mb, dtype=args.dtype, progress=not args.no_progress)
-    if summary:
-        print(f"wrote {summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} "
-              f"file(s) to {args.out}")
-    else:
-        print(f"wrote Megatron distributed checkpoint to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main(sys.argv[1]))
