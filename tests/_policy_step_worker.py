@@ -68,9 +68,11 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
     with torch.no_grad():  # reference log pi of the targets (at the sampling temperature), float64
         pos = torch.arange(S).unsqueeze(0).expand(B, S)
         logits = chunks[0](inputs, pos, None).double() / cfg.rollout.temperature
-        logp_ref = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        logp_all = torch.log_softmax(logits, -1)
+        logp_ref = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # of the sampling distribution, float64
     batch = RolloutBatch(inputs, targets, (logp_ref - delta).float(), mask, adv)
-    results = {}
+    results = {"expected_entropy": float((entropy * mask.double()).sum() / mask.sum())}
     for name, rows, pad, budget, trim in RUNS:
         for chunk in chunks:
             reshard.load_full_state(chunk, full, chunk.config, ctx.groups)
@@ -80,7 +82,7 @@ def worker(rank: int, world: int, port: int, overrides: list, out: str) -> None:
                              policy_loss=build_policy_loss(cfg.grpo), aggregation=cfg.grpo.loss_aggregation,
                              batching=Batching(rows=rows, max_tokens=budget, trim=trim), temperature=temperature)
         results[name] = {k: m[k] for k in ("loss", "grad_norm", "positions_vs_longest", "positions_per_micro_batch",
-                                           "micro_batches")}
+                                           "micro_batches", "entropy")}
     results["expected_loss"] = expected_loss(delta, adv, mask, cfg.grpo.loss_aggregation, S)
     if rank == 0:
         Path(out).write_text(json.dumps(results))

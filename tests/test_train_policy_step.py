@@ -43,6 +43,9 @@ def test_policy_update_matches_float64_objective(tmp_path, overrides):
         assert abs(r["4+0"]["grad_norm"] - r[run]["grad_norm"]) <= 1e-5 * r["4+0"]["grad_norm"], (run, r)
         assert r[run]["positions_vs_longest"] == pytest.approx(ratio, rel=1e-12), (run, r[run])
         assert r[run]["micro_batches"] == count, (run, r[run])
+    # one micro-batch: the logged entropy is the trained tokens' mean entropy of softmax(logits / T), float64
+    ent = r["expected_entropy"]
+    assert 0 < ent and abs(r["4+0"]["entropy"] - ent) <= 1e-5 * ent, (r["4+0"]["entropy"], ent)
 
 
 @pytest.mark.parametrize("ep", [1, 2])

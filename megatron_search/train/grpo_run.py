@@ -42,7 +42,7 @@ from megatron_search.rollout.local.engine import LocalEngine
 from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.vllm.client import VLLMClient
 from megatron_search.trainer.core import Trainer
-from megatron_search.trainer.metrics import MetricsWriter, format_line
+from megatron_search.trainer.metrics import MetricsWriter, format_line, format_progress
 from megatron_search.trainer.signals import StopRequest
 
 from .batch_scatter import BatchScatter
@@ -59,8 +59,8 @@ from .rollout_batch import RolloutBatch, pack_rollouts
 from .scoring import preference_inputs, score_rollouts
 
 REFERENCE_WEIGHTS, FINAL_WEIGHTS = "reference_weights", "final_weights"
-LOGGED = ["reward/mean", "reward/r_base", "reward/tool_calls", "train/loss", "train/grad_norm",
-          "train/mismatch_kl_k3", "time/rollout_s", "time/train_s"]
+LOGGED = ["reward/mean", "reward/r_base", "reward/tool_calls", "train/loss", "train/grad_norm", "train/entropy",
+          "train/mismatch_kl_k3", "perf/rollout_tokens_per_s", "time/rollout_s", "time/train_s"]
 
 
 @dataclass
@@ -93,6 +93,7 @@ class GRPORun:
                                  min_count=4 * cfg.parallel.pp if cfg.parallel.pp > 1 else 1)
         self.stop = StopRequest()
         self.stopping = False  # a stop signal on any rank, agreed by finished()
+        self._started: Optional[tuple[float, int]] = None  # (clock, step) of this run's first step
         self.capacity_error: Optional[str] = None  # driver: this step lost more than rollout.health allows
         self._sampler_at_step_start: dict = {}
         self.eval_items: list = []
@@ -179,6 +180,8 @@ class GRPORun:
     def begin_step(self) -> int:
         """The step about to run (the trainer's iteration); colocated: the trainer leaves, the engines generate."""
         step = self.trainer.iteration
+        if self._started is None:  # the console's elapsed time and ETA count from this run's first step
+            self._started = (time.perf_counter(), step)
         self.metrics = {}
         self.colocate.to_rollout(step)
         return step
@@ -310,7 +313,9 @@ class GRPORun:
         if self.is_driver:
             self.writer.scalars(step, self.metrics)
             if step % self.cfg.logging.log_interval == 0:
-                print(format_line(step, self.metrics, LOGGED), flush=True)
+                t0, first = self._started
+                head = format_progress(step + 1, self.cfg.grpo.steps, time.perf_counter() - t0, step + 1 - first)
+                print(format_line(step, self.metrics, LOGGED, head=head), flush=True)
 
     def finish(self) -> None:
         """On a stop signal, a checkpoint of where the run stopped (colocated: the engines release their memory

@@ -93,7 +93,7 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
             if temperature != 1.0:
                 output = output.div_(temperature)
             out = token_logprobs(output, mb.targets_BS, group=tp_group, inplace_backward=capture is None,
-                                 check_values=check_values)
+                                 check_values=check_values, with_entropy=capture is None)
             if capture is not None:
                 capture.append(out.logp.detach().float())
                 zero = output.sum() * 0.0
@@ -108,6 +108,9 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
             loss, metrics = policy_loss(out.logp, mb.logp_infer_BS, mb.advantages_B, mb.mask_BS,
                                         logp_old=logp_old, denominator=denominator, **extra)
             metrics = {k: v.detach().float() for k, v in metrics.items()}
+            # the policy's entropy at the sampling temperature over the trained tokens (the same fused pass)
+            mask = mb.mask_BS.to(out.entropy.dtype)
+            metrics["entropy"] = ((out.entropy.detach() * mask).sum() / mask.sum()).float()
             # loss * scale averaged over every micro-batch and DP rank is the global objective.
             metrics["loss"] = (loss * scale).detach().float()
             if agree is not None:
