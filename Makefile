@@ -22,6 +22,6 @@ lock:
 	PYTHON=$(PY) bash scripts/lock.sh
 
 # The unit tier only (tests not marked multiprocess, slurm or e2e; pytest.ini): a quick check while editing,
-# under a minute on 2 cores. It does not reinstall: run `make install-dev` once first.
+# about 2 minutes on 2 cores. It does not reinstall: run `make install-dev` once first.
 test-unit:
 	$(PY) -m pytest -q -p no:cacheprovider -m "not (multiprocess or slurm or e2e)" tests

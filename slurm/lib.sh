@@ -145,6 +145,7 @@ ms_main() {
     MS_NODELIST=$SLURM_JOB_NODELIST
   else
     local n=${MS_DRY_NODES:-$("$MS_PYTHON" -m megatron_search.cli config "$MS_CONFIG" "${MS_OVERRIDES[@]}" | sed -n 's/^  nodes: //p' | head -n1)}
+    [ -n "$n" ] || { echo "megatron-search: $MS_CONFIG does not load with these overrides (the error above)" >&2; exit 2; }
     MS_NODELIST=${SLURM_JOB_NODELIST:-node[001-$(printf '%03d' "$n")]}
   fi
   if [ "$MS_DRY_RUN" = 1 ]; then

@@ -74,6 +74,14 @@ def test_sbatch_script_dry_run_without_slurm():
     assert key not in out.stdout + out.stderr and "--api-key " not in out.stdout
 
 
+def test_a_dry_run_with_a_config_that_does_not_load_says_why_and_stops():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    out = subprocess.run(["bash", "slurm/grpo_397b.sh", "--dry-run", "model.path=/nonexistent"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "model.path: /nonexistent does not exist" in out.stderr and "does not load" in out.stderr
+
+
 def test_plan_names_the_key_variable_and_no_argv_holds_a_key():
     from megatron_search.launch.slurm_plan import to_shell
 

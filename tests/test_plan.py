@@ -262,3 +262,11 @@ def test_step_0_reference_time_and_its_timeout():
     assert "up to 9.7 h" in problem and "parallel.phase_timeout_s" in problem
     served = make_plan(load_config(BIG, ["parallel.world_size=null", "grpo.reference_urls=[http://127.0.0.1:1]"]))
     assert served.references is None and served.fits
+
+
+@pytest.mark.parametrize("path", ["configs/qwen3_30b_a3b_grpo.yaml", "configs/qwen3_30b_a3b_sft.yaml",
+                                  "configs/qwen3_5_122b_a10b_grpo.yaml", "configs/qwen3_5_122b_a10b_sft.yaml",
+                                  BIG, "configs/qwen3_5_397b_a17b_sft.yaml"])
+def test_every_shipped_gpu_config_fits_its_own_plan(path):
+    plan = make_plan(load_config(path, ["parallel.world_size=null"]), "sft" if path.endswith("_sft.yaml") else "grpo")
+    assert plan.fits, plan.problems
