@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from megatron_search.distributed import collectives as coll
+from megatron_search.distributed.init import host_group
 from megatron_search.plan.residency import (
     ENGINE_KV_CACHE,
     ENGINE_TAGS,
@@ -59,6 +61,7 @@ class ColocatedCycle:
         """`released`: engines the run released at start-up, before the trainer was built ({engine: incarnation});
         their memory comes back at the first push."""
         self.enabled = cfg.rollout.mode == "colocated"
+        self.best_effort_timeout_s = cfg.rollout.health.heartbeat_timeout_s  # _release_down, per engine
         self.ledger = ledger if ledger is not None else Ledger()
         self.offloader = StateOffloader(list(trainer.ddp), trainer.optimizer, ledger=self.ledger, holders={
             "params": POLICY_PARAMS, "grads": POLICY_GRADS, "optimizer": POLICY_OPTIMIZER})
@@ -93,6 +96,7 @@ class ColocatedCycle:
         with self._timed("time/release_s"):
             self.released = self._release(["weights", "kv_cache"], self._serving())
             self._release_down()
+        self._handover()  # every rank's engine memory is gone before any rank allocates
         with self._timed("time/offload_s"):
             self.rm.reload(("params",))
         self._record(step, "scoring")
@@ -116,6 +120,7 @@ class ColocatedCycle:
             self.rm.offload(("params",))  # a step without signal went from scoring straight here
             self.offloader.offload(("grads", "optimizer"))
             self.offloader.reload(("params",))  # a step without signal trained nothing: its parameters come back
+        self._handover()  # every rank's gradients and optimizer state are gone before the engines' weights return
         if self.released:
             with self._timed("time/resume_s"):
                 self._engines("resume_memory_occupation", ["weights"], self._same_process(self.released))
@@ -130,7 +135,7 @@ class ColocatedCycle:
             return
         back = {i: n for i, n in live.items() if self.released.get(i) != n}
         # an attached engine released while it was down answers again as the same process: memory released
-        same = {i: n for i, n in back.items() if i in self.released_down and not self.driver.engines.started(i)}
+        same = {i: n for i, n in back.items() if i in self.released_down and not self.driver.rollout_engines.started(i)}
         restarted = {i: n for i, n in back.items() if i not in same}
         for i in back:
             self.released_down.pop(i, None)
@@ -151,6 +156,7 @@ class ColocatedCycle:
             return
         with self._timed("time/offload_s"):
             self.offloader.offload(("params",))
+        self._handover()  # every rank's parameters are gone before the KV caches return
         if self.released:
             with self._timed("time/resume_s"):
                 self._engines("resume_memory_occupation", ["kv_cache"], self._same_process(self.released))
@@ -168,6 +174,7 @@ class ColocatedCycle:
         if self.enabled:
             self._release_down()
             self.rm.offload(("params",))  # a step without signal went from scoring straight to its save
+            self._handover()  # the engines' memory is gone on every rank before any rank reloads the trainer
         self.ensure_resident()
 
     def ensure_resident(self) -> None:
@@ -176,6 +183,12 @@ class ColocatedCycle:
             self.offloader.reload()
 
     # ------------------------------------------------------------------ internals
+    def _handover(self) -> None:
+        """Every rank waits here for the driver's engine calls (and the others' offloads) before memory changes
+        hands on its GPU: the driver alone talks to the engines, whose TP ranks share the other ranks' GPUs.
+        The host group: no GPU work follows, and engines may take minutes to answer."""
+        coll.barrier(group=host_group())
+
     @contextmanager
     def _timed(self, key: str):
         """Adds the block's seconds to this step's metric `key` (a phase may time several moves under one key)."""
@@ -203,7 +216,7 @@ class ColocatedCycle:
         """Release `tags` on these engines in paused_release's order, each step's failures marked down."""
         paused = self._engines("pause_generation", None, engines, "abort")
         done = self._engines("release_memory_occupation", tags, paused)
-        self._engines("continue_generation", None, done)
+        self._engines("continue_generation", None, paused)  # a failed release too: /ready 503s while paused
         return done
 
     def _release_down(self) -> None:
@@ -216,11 +229,12 @@ class ColocatedCycle:
         down = {i: h.incarnation[i] for i in range(len(self.driver.engines)) if h.state[i] == DOWN
                 and self.released.get(i) != h.incarnation[i] and self.released_down.get(i) != h.incarnation[i]}
 
-        async def quiet(i: int) -> bool:
+        async def quiet(i: int) -> bool:  # bounded: a hung scheduler never answers a pause
             try:
-                await paused_release(self.driver.engines[i], ["weights", "kv_cache"])
+                await asyncio.wait_for(paused_release(self.driver.engines[i], ["weights", "kv_cache"]),
+                                       self.best_effort_timeout_s)
                 return True
-            except EngineError:
+            except (EngineError, asyncio.TimeoutError):
                 return False
 
         async def all_down():
