@@ -291,7 +291,7 @@ def _updates(chunks, optimizer, steps: list[list[RolloutBatch]], loss: dict, rep
             fs = make_forward_step(denominator=1.0, scale=1.0, capture=captured, replay=replay, **loss)
             with torch.no_grad():
                 run_schedule(chunks, fs, mbs, forward_only=True)
-            # pi_old is only read by the loss, on the last pipeline stage; other stages keep placeholders.
+            # pi_old is only read by the loss, on the last pipeline stage; the other stages hold zeros they never read.
             logp_old.append(captured if last else [torch.zeros_like(mb.logp_infer_BS) for mb in mbs])
     history = []
     for u, mbs in enumerate(steps):
