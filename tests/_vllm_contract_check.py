@@ -34,11 +34,12 @@ def vllm_routes() -> set[tuple[str, str]]:
     from vllm.entrypoints.scale_out.token_in_token_out.api_router import abort_router, router as tokens
     from vllm.entrypoints.serve.dev.cache.api_router import router as cache
     from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc
+    from vllm.entrypoints.serve.dev.server_info.api_router import router as server_info
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep
     from vllm.entrypoints.serve.instrumentator.health import router as health
 
     out = set()
-    for r in (models, rl, tokens, abort_router, cache, rpc, sleep, health):
+    for r in (models, rl, tokens, abort_router, cache, rpc, server_info, sleep, health):
         for route in r.routes:
             for m in getattr(route, "methods", ()):
                 out.add((m, route.path))
@@ -179,6 +180,28 @@ class Recorder(VLLMClient):
         return {}
 
 
+def check_worker_extension() -> None:
+    """vLLM mixes --worker-extension-cls into its worker class and asserts that no attribute clashes
+    (v1/worker/worker_base.py); our methods call the worker's own reload_weights and model_runner.get_model."""
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from megatron_search.rollout.vllm.worker_ext import MegatronSearchWorkerExtension as Ext
+
+    ours = [a for a in dir(Ext) if not a.startswith("__")]
+    checked.add("worker extension")
+    for a in ours:
+        if hasattr(Worker, a):
+            problems.append(f"worker extension: {a} clashes with vLLM's Worker.{a}")
+    if set(ours) - {"megatron_search_extension", "megatron_search_reload_weights"}:
+        problems.append(f"worker extension: unexpected attributes {ours}")
+    if not callable(getattr(Worker, "reload_weights", None)) or not callable(getattr(GPUModelRunner, "get_model", None)):
+        problems.append("worker extension: vLLM's Worker.reload_weights / GPUModelRunner.get_model are gone")
+
+
+RPC_METHODS = ("reload_weights", "megatron_search_reload_weights", "megatron_search_extension")
+
+
 def check_control_requests(routes: set) -> None:
     from urllib.parse import parse_qs, urlparse
 
@@ -196,6 +219,7 @@ def check_control_requests(routes: set) -> None:
         await c.end_weight_update()
         await c.update_weight_version("v3", abort_all_requests=True)
         await c.update_weights_from_disk("/ckpt/v3", weight_version="v3")
+        await c._cpu_build()
         await c.release_memory_occupation()
         await c.release_memory_occupation(["kv_cache"])
         await c.resume_memory_occupation(["weights"])
@@ -219,8 +243,8 @@ def check_control_requests(routes: set) -> None:
             problems.append(f"control: {path}: tags")
         if u.path == "/update_weight_version" and set(payload) != {"new_version"}:
             problems.append(f"control: {path} body {payload}")
-        if u.path == "/collective_rpc" and not (payload["method"] == "reload_weights" and all(
-                isinstance(v, str) for v in payload["kwargs"].values())):  # vLLM passes only string kwargs
+        if u.path == "/collective_rpc" and not (payload["method"] in RPC_METHODS and all(
+                isinstance(v, str) for v in payload.get("kwargs", {}).values())):  # vLLM passes only string kwargs
             problems.append(f"control: {path} body {payload}")
         if u.path == "/init_weight_transfer_engine":
             NCCLWeightTransferInitInfo(**payload["init_info"])  # raises on an unknown or missing field
@@ -272,6 +296,7 @@ def main() -> None:
     check_response_parsing(client)
     check_local_response()
     check_control_requests(routes)
+    check_worker_extension()
     auth_cases = check_auth()
     print(json.dumps({"vllm": vllm.__version__, "checked": sorted(checked), "problems": problems,
                       "refusals": refusals, "auth_cases": auth_cases}))

@@ -27,7 +27,7 @@ def test_vllm_engines_per_node_on_disjoint_gpus():
         a = e.argv
         assert a[:5] == ["python", "-m", "megatron_search.rollout.vllm.client", "--api-key-env", "MEGATRON_SEARCH_ENGINE_KEY"]
         assert a[a.index("--gpus") + 1] == ("0,1,2,3" if i % 2 == 0 else "4,5,6,7")
-        assert a[a.index("--") + 1:a.index("--") + 4] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+        assert a[a.index("--") + 1:a.index("--") + 5] == ["python", "-m", "megatron_search.rollout.vllm.launcher", "serve"]
         assert a[a.index("--host") + 1] == "0.0.0.0" and a[a.index("--port") + 1] == str(e.port)
         assert a[a.index("--seed") + 1] == str(1234 + i)  # the config's run.seed + engine index
         assert "--enable-sleep-mode" in a and "--load-format" in a  # colocated; no HF checkpoint in this config
@@ -51,9 +51,20 @@ def test_vllm_serve_wrapper_puts_the_key_in_the_environment(tmp_path):
     probe = "import os; print(os.environ['VLLM_API_KEY'] == os.environ['K'], os.environ['VLLM_SERVER_DEV_MODE'], " \
             "os.environ['CUDA_VISIBLE_DEVICES'])"
     out = subprocess.run([sys.executable, "-m", "megatron_search.rollout.vllm.client", "--api-key-env", "K", "--gpus", "2,3",
-                          "--", "-c", probe], capture_output=True, text=True, env={**os.environ, "K": key}, timeout=120)
+                          "--", sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "K": key},
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1", "2,3"] and key not in out.stderr
+    # another interpreter (rollout.vllm.python: vLLM's own venv) finds the launcher through a path holding only
+    # this package: the base interpreter, outside our venv, imports it and nothing else of ours
+    other = os.path.realpath(sys.executable)
+    probe = "import megatron_search.rollout.vllm.launcher as m, sys; print(m.EXTENSION); print(sys.path[1])"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-m", "megatron_search.rollout.vllm.client", "--api-key-env", "K",
+                          "--", other, "-c", probe], capture_output=True, text=True, env={**env, "K": key}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ext, path = out.stdout.split()
+    assert ext.endswith("MegatronSearchWorkerExtension") and os.listdir(path) == ["megatron_search"]
 
 
 @pytest.mark.multiprocess

