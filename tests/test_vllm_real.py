@@ -252,3 +252,137 @@ def test_no_key_no_generate(world):
         finally:
             await c.close()
     run(go())
+
+
+# ---- the stand-in (the local engine serving vLLM's API) against the real one, on the same weights --------------
+
+# Raw requests and what each server answers (status). Measured on vLLM 0.32.0; the stand-in must refuse every one
+# that vLLM refuses, with the same status. The one difference kept: vLLM accepts unknown /wake_up tags (200) and
+# wakes nothing, the stand-in names them (400): stricter, never more lenient.
+REFUSALS = [
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": -1.0}}, 400),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "top_p": 0.0}}, 400),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 0}}, 400),
+    ("/inference/v1/generate", {"sampling_params": {"max_tokens": 2}}, 400),
+    ("/inference/v1/generate", {"token_ids": [], "sampling_params": {"max_tokens": 2}}, 400),
+    ("/inference/v1/generate", {"token_ids": [1, -2], "sampling_params": {"max_tokens": 2}}, 400),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2,
+                                                                       "routed_experts_prompt_start": 5}}, 400),
+    ("/pause?mode=bogus", {}, 400),
+    ("/sleep?level=7", {}, 400),
+    ("/collective_rpc", {"method": "nope"}, 500),
+    ("/collective_rpc", {}, 400),
+    ("/update_weight_version", {}, 400),
+    ("/reset_prefix_cache?reset_running_requests=maybe", {}, 400),
+    ("/release_kv_cache_memory", {}, 500),
+    ("/start_weight_update", {}, 500),
+]
+
+
+@pytest.fixture(scope="module")
+def stand_in(world):
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.server=local", "rollout.mode=disaggregated",
+                             f"model.hf_config={vc.DEMO}", f"rollout.local.model_path={world['a']}",
+                             "rollout.local.dtype=float32"])
+    eng = start_engines(cfg, world["root"] / "stand_in")
+    try:
+        yield {"url": eng.servers[0].url, "key": key_from_env(cfg.rollout.api_key_env)}
+    finally:
+        eng.stop_servers()
+
+
+async def _raw(url, key, path, body):
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+        async with s.post(url + path, json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def test_stand_in_answers_as_vllm(world, stand_in, ref):
+    a = ref(str(world["a"]))
+
+    async def go():
+        real, local = client(world), VLLMClient(stand_in["url"], 300, api_key=stand_in["key"])
+        try:
+            for p in PROMPTS:
+                sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+                r, s = [await e.generate(GenerateRequest(p, sp)) for e in (real, local)]
+                assert r.output_ids == s.output_ids and r.finish_reason == s.finish_reason
+                stop = r.output_ids[2]
+                sp = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,))
+                r, s = [await e.generate(GenerateRequest(p, sp)) for e in (real, local)]
+                assert r.output_ids == s.output_ids and r.finish_reason == s.finish_reason
+                assert r.finish_reason.matched == stop
+                # sampled: each engine's own tokens (their RNGs differ), each one's logprobs against the reference
+                for e in (real, local):
+                    g = await e.generate(GenerateRequest(p, SamplingParams(max_new_tokens=8, temperature=0.8, seed=4)))
+                    lp = ref_logprobs(a, p, g.output_ids, temperature=0.8)
+                    assert (torch.tensor(g.output_logprobs, dtype=torch.float64) - lp).abs().max() < TOL
+                    assert g.weight_version == "default" and g.prompt_tokens == len(p)
+            for path, body, status in REFUSALS:
+                (rs, rb), (ls, lb) = [await _raw(u, k, path, body) for u, k in
+                                      ((world["url"], world["key"]), (stand_in["url"], stand_in["key"]))]
+                assert (rs, ls) == (status, status), (path, body, rb, lb)
+                assert isinstance(rb.get("error"), dict) and isinstance(lb.get("error"), dict), (path, rb, lb)
+            rs, _ = await _raw(world["url"], world["key"], "/wake_up?tags=bogus", {})
+            ls, lb = await _raw(stand_in["url"], stand_in["key"], "/wake_up?tags=bogus", {})
+            assert (rs, ls) == (200, 400) and "bogus" in lb["error"]["message"]
+        finally:
+            await real.close()
+            await local.close()
+    run(go())
+
+
+# ---- the agent loop: token in, token out, over turns -----------------------------------------------------------
+
+def test_agent_loop_token_in_token_out(world, ref):
+    """A search rollout whose first turn (the tool call) is scripted and whose next turn vLLM samples from the
+    transcript ids: the request is exactly the transcript (never re-tokenised), the sampled ids and vLLM's
+    logprobs land in the rollout under loss mask 1, and the logprobs are the reference's for that context."""
+    from megatron_search.chat.format import ChatFormat
+    from megatron_search.chat.tokenizer import BPETokenizer, ChatEncoder
+    from megatron_search.rollout.agent.loop import AgentSettings, AgentTask, SearchAgent
+    from megatron_search.rollout.engine.types import FinishReason, GenerateResult
+    from megatron_search.search.base import SearchBackend, SearchResult
+    from megatron_search.search.tool import SearchTool
+
+    fmt = ChatFormat("qwen3")
+    call = '<tool_call>\n{"name": "search_web", "arguments": {"query": "capital of France"}}\n</tool_call>'
+    texts = ["Paris is the capital of France.", call, fmt.render([{"role": "user", "content": "capital?"}], None)] * 4
+    tok = BPETokenizer.train(texts, vocab_size=600)
+    assert tok.vocab_size <= 2048
+
+    class Backend(SearchBackend):
+        name = "fixed"
+
+        def search(self, query, k):
+            return [SearchResult(title="France", url="https://example.org/fr", snippet="Paris is the capital.",
+                                 doc_id="d1")]
+
+    class FirstTurnScripted(VLLMClient):
+        requests: list = []
+
+        async def generate(self, request):
+            self.requests.append(request)
+            if len(self.requests) == 1:
+                ids = tok.encode(call + "<|im_end|>")
+                return GenerateResult(ids, [-0.5] * len(ids), FinishReason("stop", matched=ids[-1]), "scripted",
+                                      len(request.input_ids))
+            return await super().generate(request)
+
+    async def go():
+        eng = FirstTurnScripted(world["url"], 300, api_key=world["key"])
+        try:
+            agent = SearchAgent(eng, ChatEncoder(tok, fmt), SearchTool(Backend(), max_results=1, max_calls=2),
+                                AgentSettings(max_new_tokens=40, max_total_tokens=1024, max_turns=2, temperature=1.0))
+            return await agent.run(AgentTask([{"role": "user", "content": "capital?"}], seed=9)), eng.requests
+        finally:
+            await eng.close()
+    r, reqs = run(go())
+    assert len(reqs) == 2 and r.tool_calls == 1
+    second = reqs[1].input_ids
+    assert r.token_ids[:len(second)] == second  # the transcript sent is the rollout's prefix, id for id
+    t1 = r.token_ids[len(second):]
+    assert t1 and r.loss_mask[len(second):] == [1] * len(t1)
+    lp = ref_logprobs(ref(str(world["a"])), second, t1)
+    assert (torch.tensor(r.logprobs[len(second):], dtype=torch.float64) - lp).abs().max() < TOL
+    assert r.weight_versions[-1] == "default"

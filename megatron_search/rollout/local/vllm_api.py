@@ -232,17 +232,15 @@ async def is_paused(request: web.Request, engine: LocalEngine) -> web.Response:
 
 @vllm_handler
 async def start_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
-    await engine.begin_weight_update()
-    return web.json_response({"message": "Weight update started"})
+    """vLLM opens a weight-update session only on a configured weight-transfer engine (/init_weight_transfer_engine,
+    which the local engine does not serve): otherwise its 500, as measured on vLLM 0.32.0."""
+    raise BadRequest("Call to collective_rpc method failed: Weight transfer not configured (the local engine serves "
+                     "no /init_weight_transfer_engine)", 500)
 
 
 @vllm_handler
 async def finish_weight_update(request: web.Request, engine: LocalEngine) -> web.Response:
-    version = field(await read_json(request), "weight_version", str, None, request.path)
-    await engine.end_weight_update()
-    if version is not None:
-        await engine.update_weight_version(version, abort_all_requests=False)
-    return web.json_response({"message": "Weight update finished"})
+    return await start_weight_update(request)
 
 
 @vllm_handler
@@ -287,7 +285,8 @@ async def sleep(request: web.Request, engine: LocalEngine) -> web.Response:
 @vllm_handler
 async def release_kv_cache_memory(request: web.Request, engine: LocalEngine) -> web.Response:
     if not engine._paused:
-        raise BadRequest(f"{request.path}: vLLM releases the KV cache only after a completed pause")
+        raise BadRequest("Call to release_kv_cache_memory method failed: release_kv_cache_memory() requires a "
+                         "completed pause first", 500)  # vLLM's 500 (measured on 0.32.0)
     await engine.release_memory_occupation(["kv_cache"])
     request.app[SLEEP_KEY]["asleep"].add("kv_cache")
     return web.json_response({"status": "kv_cache_released"})

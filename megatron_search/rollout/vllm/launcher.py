@@ -45,6 +45,7 @@ def main() -> None:
         _version("vllm")
     except metadata.PackageNotFoundError:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # only the CPU wheel is named otherwise
+    # start-up: vLLM's CLI is imported only after its version lookup is answered (and it exists only in vLLM's venv)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *serve_argv(sys.argv[1:])]

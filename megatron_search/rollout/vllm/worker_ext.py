@@ -14,6 +14,8 @@ the experts it finds in that state; the client calls it in place of `reload_weig
 """
 from __future__ import annotations
 
+import torch
+
 EXTENSION_VERSION = "1"
 
 
@@ -34,9 +36,8 @@ class MegatronSearchWorkerExtension:
 def repack_cpu_experts(model) -> int:
     """Pre-pack (vLLM's `cpu_prepack_moe_weight`) every unquantized CPU-kernel MoE layer of `model` whose weights a
     reload just copied in, in place (the parameters keep their storage). Raises where the layout would be wrong."""
-    import torch
-
     try:
+        # optional: vllm (this runs only inside a vLLM server's worker; a GPU build has no CPU experts to re-pack)
         from vllm._custom_ops import cpu_prepack_moe_weight
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # a GPU build: nothing is pre-packed on load
