@@ -8,7 +8,8 @@ from pathlib import Path
 TINY = "configs/models/tiny_qwen3_moe"
 
 
-def build(root: Path) -> dict[str, str]:
+def build(root: Path, hf_config: str = TINY) -> dict[str, str]:
+    """The world under `root`, with a reward model of the `hf_config` policy (the RM starts from its architecture)."""
     from megatron_search.config import load_config
     from megatron_search.data.demo_tasks import one_hop_records, one_hop_sft_examples
     from megatron_search.data.jsonl import write_jsonl
@@ -29,7 +30,7 @@ def build(root: Path) -> dict[str, str]:
     tok = BPETokenizer.train([d["text"] for d in docs] + [fmt.render(e.messages, e.tools) for e in examples],
                              vocab_size=1024)
     tok.save(root / "tokenizer.json")
-    common = [f"model.hf_config={TINY}", "model.init=random", f"model.tokenizer={root / 'tokenizer.json'}",
+    common = [f"model.hf_config={hf_config}", "model.init=random", f"model.tokenizer={root / 'tokenizer.json'}",
               "search.max_results=2",
               "search.snippet_chars=120", f"search.index_dir={root / 'index'}"]
     rm_out = root / "rm"

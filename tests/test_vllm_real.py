@@ -28,6 +28,7 @@ from megatron_search.rollout.engine.base import EngineError, MalformedReply  # n
 from megatron_search.rollout.engine.types import GenerateRequest, SamplingParams  # noqa: E402
 from megatron_search.rollout.launch import start_engines  # noqa: E402
 from megatron_search.rollout.vllm.client import VLLMClient  # noqa: E402
+from test_vllm_real_grpo import MAX_MISMATCH_KL  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -88,14 +89,16 @@ def ref_greedy(model, prompt, n) -> list[int]:
     return ids[len(prompt):]
 
 
-async def served_error(c: VLLMClient, model, n: int = 12, seed: int = 3) -> float:
-    """The check after a push: the largest |engine logprob - reference logprob| over sampled tokens of PROMPTS."""
-    worst = 0.0
+async def served_error(c: VLLMClient, model, n: int = 12, seed: int = 3, kl: bool = False):
+    """The check after a push: the largest |engine logprob - reference logprob| over sampled tokens of PROMPTS
+    (`kl`: also their mismatch KL k3, mean(exp(d) - 1 - d) with d = reference - engine, as grpo.max_mismatch_kl)."""
+    d = []
     for i, p in enumerate(PROMPTS):
         r = await c.generate(GenerateRequest(p, SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed + i)))
-        d = (torch.tensor(r.output_logprobs, dtype=torch.float64) - ref_logprobs(model, p, r.output_ids)).abs().max()
-        worst = max(worst, float(d))
-    return worst
+        d.append(ref_logprobs(model, p, r.output_ids) - torch.tensor(r.output_logprobs, dtype=torch.float64))
+    d = torch.cat(d)
+    worst = float(d.abs().max())
+    return (worst, float((torch.exp(d) - 1 - d).mean())) if kl else worst
 
 
 def test_generate_matches_transformers(world, ref):
@@ -136,8 +139,9 @@ def test_disk_reload_fault_and_the_extension(world, ref):
         try:
             await c._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(world["b"])}})
             await c.flush_cache()
-            stale = await served_error(c, b)
+            stale, k3 = await served_error(c, b, kl=True)
             assert stale > 1e-2, f"stock reload served the pushed weights (max |dlogp| {stale:.2e}): fault gone?"
+            assert k3 > 100 * MAX_MISMATCH_KL  # GRPO's check (test_vllm_real_grpo.py's limit) stops such a run
             for path, model in ((world["b"], b), (world["a"], a), (world["b"], b)):
                 await c.update_weights_from_disk(str(path), weight_version=path.name)
                 assert await served_error(c, model) < TOL

