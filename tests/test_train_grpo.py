@@ -158,6 +158,23 @@ def test_greedy_rollouts_are_refused():
         run_grpo(cfg)
 
 
+def test_served_weights_check_stops_on_a_mismatch():
+    """grpo.max_mismatch_kl: the first update's (or the check-only pass's) mismatch KL over the limit stops the run
+    naming both figures; at or under it, or with the limit off, nothing happens."""
+    from types import SimpleNamespace
+
+    from megatron_search.config import load_config
+    from megatron_search.train.grpo_run import GRPORun
+
+    on = SimpleNamespace(cfg=load_config(None, ["grpo.max_mismatch_kl=1e-6"]))
+    with pytest.raises(RuntimeError, match=r"mismatch KL 0.00131 > grpo.max_mismatch_kl 1e-06"):
+        GRPORun._check_served_weights(on, 3, {"mismatch_kl_k3": 1.31e-3})
+    GRPORun._check_served_weights(on, 3, {"mismatch_kl_k3": 1e-6})
+    GRPORun._check_served_weights(on, 3, {})  # a step whose micro-batches report no mismatch (no trained token)
+    off = SimpleNamespace(cfg=load_config(None, []))
+    assert off.cfg.grpo.max_mismatch_kl is None
+    GRPORun._check_served_weights(off, 3, {"mismatch_kl_k3": 10.0})
+
 
 def _hf_tensors(folder: Path) -> dict:
     from megatron_search.weights.hf_source import HFTensorSource

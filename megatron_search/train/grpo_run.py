@@ -54,7 +54,7 @@ from .grpo_preference import build_preference
 from .initial_weights import load_initial_weights
 from .grpo_sync import build_weight_sync, save_hf_weights
 from .microbatches import Batching
-from .policy_step import policy_update
+from .policy_step import forward_metrics, policy_update
 from .rollout_batch import RolloutBatch, pack_rollouts
 from .scoring import preference_inputs, score_rollouts
 
@@ -95,6 +95,7 @@ class GRPORun:
         self.stopping = False  # a stop signal on any rank, agreed by finished()
         self._started: Optional[tuple[float, int]] = None  # (clock, step) of this run's first step
         self.capacity_error: Optional[str] = None  # driver: this step lost more than rollout.health allows
+        self.check_only = False  # driver: this step's batch only checks the served weights (filter_and_pack)
         self._sampler_at_step_start: dict = {}
         self.eval_items: list = []
         self.metrics: dict[str, float] = {}
@@ -231,13 +232,26 @@ class GRPORun:
         return local
 
     def train(self, step: int, local: Optional[RolloutBatch]) -> None:
-        """The policy update on this replica's slice; the trainer advances its iteration (also without signal)."""
+        """The policy update on this replica's slice; the trainer advances its iteration (also without signal). A step
+        without signal under grpo.max_mismatch_kl gets the rollouts (advantage 0) for a forward pass that checks the
+        served weights, and no update."""
+        check_only = _broadcast(self.check_only if self.is_driver else None)
         if local is None:
             self.trainer.skip_step()
             return
         self.colocate.to_train(step)
         if self.colocate.trainer_offloaded:
             raise RuntimeError("GRPO: the trainer's state is offloaded (colocated rollout phase); reload it first")
+        if check_only:
+            g = self.cfg.grpo
+            metrics = forward_metrics(self.trainer.ddp, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
+                                      aggregation=g.loss_aggregation, batching=self.batching,
+                                      temperature=training_temperature(self.cfg.rollout),
+                                      check_values=g.check_loss_values)
+            self._check_served_weights(step, metrics)
+            self.metrics["train/mismatch_kl_k3"] = metrics.get("mismatch_kl_k3", float("nan"))
+            self.trainer.skip_step()
+            return
         g = self.cfg.grpo
         t0 = time.perf_counter()
         self.ledger.arrive(POLICY_ACTIVATIONS)
@@ -427,6 +441,9 @@ class GRPORun:
         m["train/filtered_groups"] = float(dropped.sum())
         signal &= ~dropped
         keep = [i for i, g in enumerate(col.group_ids) if signal[g]]
+        self.check_only = not keep and cfg.grpo.max_mismatch_kl is not None and bool(col.rollouts)
+        if self.check_only:  # nothing to train, but the served weights are still checked: every rollout, advantage 0
+            keep, adv = list(range(len(col.rollouts))), torch.zeros_like(adv)
         if not keep:
             return None
         unit = self.dp * cfg.grpo.micro_batch_size * cfg.grpo.updates_per_batch

@@ -281,6 +281,21 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, polic
     return history
 
 
+def forward_metrics(chunks: list, batch: RolloutBatch, *, groups, policy_loss: Callable, aggregation: str,
+                    batching: Batching, temperature: float = 1.0, check_values: bool = True) -> dict[str, float]:
+    """The loss's metrics of this rank's share of `batch` from a forward pass alone (no gradient, no optimizer step;
+    identical on every rank): the train-inference mismatch of rollouts that train nothing, for grpo.max_mismatch_kl
+    on a step without signal. The engine's experts are not forced (the natural routing's logprobs)."""
+    tp_group = groups.tp if size_of(groups.tp) > 1 else None
+    config = unwrap(chunks[0]).config
+    (mbs,) = plan_microbatches(batch, 1, batching, shape_rule(config, size_of(groups.dp)), groups.dp)
+    fs = make_forward_step(policy_loss, aggregation, denominator=1.0, scale=1.0, tp_group=tp_group,
+                           temperature=temperature, check_values=check_values, norm_tokens=batch.tokens_BS.shape[1])
+    with torch.no_grad():
+        out = run_schedule(chunks, fs, mbs, forward_only=True)
+    return reduce_metrics(out, groups.pp, groups.dp, is_last_stage(groups))
+
+
 def _updates(chunks, optimizer, steps: list[list[RolloutBatch]], loss: dict, replay, agreement, dp_group, pp_group,
              dp, last) -> list[dict[str, float]]:
     logp_old: Optional[list[list[torch.Tensor]]] = None
