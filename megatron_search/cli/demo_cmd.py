@@ -16,8 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*")
+    from megatron_search.config.model import resolve_repo_path
     from megatron_search.demo.pipeline import DEMO_CONFIG, Demo
 
-    config = args.config or str(Path(__file__).resolve().parents[2] / DEMO_CONFIG)
+    config = args.config or str(resolve_repo_path(DEMO_CONFIG))
     Demo(Path(args.out), config, list(args.overrides)).run()
     return 0

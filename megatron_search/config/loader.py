@@ -7,6 +7,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
+from .model import resolve_repo_path
 from .schema import Config
 
 
@@ -76,7 +77,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), s
     if path is not None:
         source = str(path)
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = yaml.safe_load(resolve_repo_path(path).read_text())  # configs/... from any directory
         except FileNotFoundError:
             raise ConfigError([f"{path}: no such file"], source) from None
         except yaml.YAMLError as e:

@@ -14,11 +14,21 @@ from .hf import Architecture, HFConfigError, architecture_from_hf, load_hf_confi
 
 CHAT_STYLE_OF = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5"}  # the tool-call syntax each model was trained on
 TINY_DEFAULT = "configs/models/tiny_qwen3_moe"  # the embedded default's architecture (no model.path)
-REPO_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def data_root() -> Path:
+    """Where the shipped `configs/` folder lives: the checkout's root (editable installs, tests), or the copy a built
+    wheel carries inside the package (`megatron_search/_data`, setup.py), so `pip install .` works anywhere."""
+    installed = _PACKAGE / "_data"
+    return installed if (installed / "configs").is_dir() else _PACKAGE.parent
+
+
+REPO_ROOT = data_root()
 
 
 def resolve_repo_path(path: str | Path) -> Path:
-    """An absolute or existing path as it is; else the same path under the repository root."""
+    """An absolute or existing path as it is; else the same path under data_root() (configs/... of the package)."""
     p = Path(path)
     return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
