@@ -87,7 +87,13 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    tensorboard: bool = True
+    tensorboard: bool = Field(True, description="scalars under <run.output_dir>/tensorboard")
+    wandb: bool = Field(False, description="the same scalars to Weights & Biases (the `wandb` extra: pip install "
+                        "'.[wandb]'); the run's resolved config goes along. The API key is wandb's own $WANDB_API_KEY")
+    wandb_project: str = Field("megatron-search", description="W&B project (the run's name is run.name)")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: the run is written under <run.output_dir>/wandb and nothing leaves the "
+        "machine (`wandb sync` uploads it later); online: streamed to the W&B server")
     log_interval: PositiveInt = 1
     progress_bars: bool = True
 

@@ -132,7 +132,7 @@ def train_rm(trainer: RMTrainer, train_pairs: Sequence[PreferencePair], eval_pai
     scorer = RMScorer(trainer.model, encoder, pad_id, 2 * rm.score_batch_pairs, seq_multiple, groups=trainer.ctx.groups)
     trainer.resume()
     main = trainer.ctx.is_main
-    writer = MetricsWriter(Path(cfg.run.output_dir) / "tensorboard", enabled=cfg.logging.tensorboard and main)
+    writer = MetricsWriter.for_run(cfg, cfg.run.output_dir, main)
     stop = StopRequest()
     result: dict = {"init": trainer.init_note}
     try:

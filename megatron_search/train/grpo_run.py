@@ -99,7 +99,7 @@ class GRPORun:
         self._sampler_at_step_start: dict = {}
         self.eval_items: list = []
         self.metrics: dict[str, float] = {}
-        self.writer = MetricsWriter(self.out / "tensorboard", enabled=self.is_driver and cfg.logging.tensorboard)
+        self.writer = MetricsWriter.for_run(cfg, self.out, self.is_driver)
         extra = self.trainer.resume()
         # The reward model runs in the training layout: every rank holds its shard and scores together.
         self.preference = build_preference(cfg, ctx.groups)

@@ -105,7 +105,7 @@ def run_sft(cfg, env=None, on_step: Optional[Callable[[int, dict], None]] = None
         if on_start is not None:
             on_start(trainer)
         out = Path(cfg.run.output_dir)
-        writer = MetricsWriter(out / "tensorboard", enabled=cfg.logging.tensorboard and ctx.is_main)
+        writer = MetricsWriter.for_run(cfg, out, ctx.is_main)
         summary = {"iterations": [], "losses": [], "grad_norms": [], "stopped": False, "checkpoint": None,
                    "rank": ctx.rank, "skill_checks": []}
         check = build_skill_check(cfg)
