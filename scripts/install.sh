@@ -2,7 +2,7 @@
 # Install megatron-search into the current Python environment (make a venv first), through the lock.
 #   bash scripts/install.sh          # library + CLI
 #   bash scripts/install.sh --dev    # plus test tools and the SGLang contract copy in .cache/
-#   MS_LOCK=none bash scripts/install.sh --dev   # the newest releases setup.py allows instead of the lock
+#   MS_LOCK=none bash scripts/install.sh --dev   # the newest releases pyproject.toml allows instead of the lock
 #   MS_VLLM_CONTRACT=1 bash scripts/install.sh --dev   # plus vLLM 0.33.0's sources for its contract test
 # On a CPU machine torch==2.13.0 (CPU build) is installed first so that nothing below pulls a
 # multi-GB CUDA build; on a GPU machine install the torch build you want before running this. Your torch,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Moves the lock: resolves the newest releases that setup.py and requirements/sglang-contract.in allow in a
+# Moves the lock: resolves the newest releases that pyproject.toml and requirements/sglang-contract.in allow in a
 # fresh venv, rewrites requirements/lock.txt and requirements/sglang-contract.lock.txt from it, then runs
 # `make test` in that venv on them. One command, one diff to review and commit.
 #   make lock                       # PYTHON=python3 (CI's Python 3.11); TORCH_SPEC as scripts/install.sh
