@@ -174,9 +174,16 @@ class Recorder(VLLMClient):
         self.calls: list[tuple[str, str, dict]] = []
 
     async def _call(self, path, payload=None, method="POST"):
+        from megatron_search.rollout.vllm.launcher import EXTENSION
+
         self.calls.append((method, path, payload))
         if path.startswith("/reset_prefix_cache"):
             return {"success": True}
+        if path.startswith("/server_info"):  # the fields of vLLM's JSON config dump the client reads (checked below)
+            return {"vllm_config": {"parallel_config": {"worker_extension_cls": EXTENSION},
+                                    "device_config": {"device": "cuda"}}}
+        if path == "/collective_rpc":
+            return {"results": [{"repacked_layers": 0}, {"repacked_layers": 0}]}
         return {}
 
 
@@ -193,13 +200,23 @@ def check_worker_extension() -> None:
     for a in ours:
         if hasattr(Worker, a):
             problems.append(f"worker extension: {a} clashes with vLLM's Worker.{a}")
-    if set(ours) - {"megatron_search_extension", "megatron_search_reload_weights"}:
+    if set(ours) - {"megatron_search_reload_weights", "_megatron_search_reload"}:
         problems.append(f"worker extension: unexpected attributes {ours}")
+    from vllm.config import DeviceConfig, ParallelConfig
+    from vllm.entrypoints.serve.dev.server_info import api_router as server_info
+
+    # the client reads vllm_config.parallel_config.worker_extension_cls and .device_config.device of
+    # /server_info?config_format=json (a pydantic dump of VllmConfig)
+    for cls, name in ((ParallelConfig, "worker_extension_cls"), (DeviceConfig, "device")):
+        if name not in getattr(cls, "__dataclass_fields__", {}) and name not in getattr(cls, "model_fields", {}):
+            problems.append(f"server_info: {cls.__name__} has no field {name}")
+    if "config_format" not in server_info.show_server_info.__code__.co_varnames:
+        problems.append("server_info: no config_format query")
     if not callable(getattr(Worker, "reload_weights", None)) or not callable(getattr(GPUModelRunner, "get_model", None)):
         problems.append("worker extension: vLLM's Worker.reload_weights / GPUModelRunner.get_model are gone")
 
 
-RPC_METHODS = ("reload_weights", "megatron_search_reload_weights", "megatron_search_extension")
+RPC_METHODS = ("reload_weights", "megatron_search_reload_weights")
 
 
 def check_control_requests(routes: set) -> None:
@@ -219,7 +236,6 @@ def check_control_requests(routes: set) -> None:
         await c.end_weight_update()
         await c.update_weight_version("v3", abort_all_requests=True)
         await c.update_weights_from_disk("/ckpt/v3", weight_version="v3")
-        await c._cpu_build()
         await c.release_memory_occupation()
         await c.release_memory_occupation(["kv_cache"])
         await c.resume_memory_occupation(["weights"])
@@ -243,6 +259,8 @@ def check_control_requests(routes: set) -> None:
             problems.append(f"control: {path}: tags")
         if u.path == "/update_weight_version" and set(payload) != {"new_version"}:
             problems.append(f"control: {path} body {payload}")
+        if u.path == "/server_info" and q.get("config_format") != ["json"]:
+            problems.append(f"control: {path}: the client needs config_format=json")
         if u.path == "/collective_rpc" and not (payload["method"] in RPC_METHODS and all(
                 isinstance(v, str) for v in payload.get("kwargs", {}).values())):  # vLLM passes only string kwargs
             problems.append(f"control: {path} body {payload}")

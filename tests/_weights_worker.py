@@ -141,6 +141,29 @@ def _delivery_and_replay(ctx, chunks, arch, arch_dir: str, prompt: list[int], wo
             res = generate()
             out[mode] = {"ids": res.output_ids, "version": res.weight_version, "buckets": stats.buckets}
             out["experts"] = torch.as_tensor(res.routed_experts_NLK)
+    # A load that fails on the controlling rank (rank 0: the engine refuses the weights) raises WeightLoadError on
+    # every rank, with rank 0's reason: rank 1 is not left waiting in the push's last collective.
+    from megatron_search.rollout.engine.base import EngineError
+    from megatron_search.weights.delivery import WeightLoadError
+
+    sync = WeightSync([engine] if rank0 else [None], mode="disk", bucket_bytes=600 << 10, disk_dir=work / "disk_fail",
+                      inflight="abort", senders=[0])
+    if rank0:
+        sync._loop = loop
+        loads = engine.update_weights_from_disk
+
+        async def refuse(*args, **kwargs):
+            raise EngineError("refused by the test")
+        engine.update_weights_from_disk = refuse
+    try:
+        sync.push(chunks, arch, ctx.groups, version="fail-1")
+        failure = None
+    except WeightLoadError as e:
+        failure = str(e)
+    assert failure is not None and "rank 0: EngineError: refused by the test" in failure, failure
+    if rank0:
+        engine.update_weights_from_disk = loads
+        assert not engine._paused  # generation was continued after the failed load
     # Routing replay on the full sequence prompt + generation (the engine's last token never ran).
     seq = torch.tensor([prompt + out["tensor"]["ids"]] if rank0 else [[0] * (len(prompt) + new_tokens)])
     dist.broadcast(seq, src=0)

@@ -31,6 +31,9 @@ def test_vllm_engines_per_node_on_disjoint_gpus():
         assert a[a.index("--host") + 1] == "0.0.0.0" and a[a.index("--port") + 1] == str(e.port)
         assert a[a.index("--seed") + 1] == str(1234 + i)  # the config's run.seed + engine index
         assert "--enable-sleep-mode" in a and "--load-format" in a  # colocated; no HF checkpoint in this config
+        # token ids only, and Qwen3.5 as its text model: vLLM's vision-language class builds a multimodal processor
+        # at start-up that needs the tokenizer --skip-tokenizer-init leaves out, unless --language-model-only
+        assert "--skip-tokenizer-init" in a and "--language-model-only" in a
         assert not any("api-key" in x and x != "--api-key-env" for x in a)
     assert "MS_ENGINE_KIND=vLLM" in to_shell(p).splitlines()
     assert p.train_argv[-1].startswith("rollout.engine_urls=[http://n1:30000,")

@@ -223,7 +223,7 @@ def test_config_checks_and_launch_line():
                  "--enable-sleep-mode", "--enable-return-routed-experts", "--host 127.0.0.1",
                  "--enable-prompt-tokens-details"):
         assert flag in line, flag
-    assert "--api-key" not in line
+    assert "--api-key" not in line and "--language-model-only" not in line  # Qwen3-MoE is a text model in vLLM
     raw = vllm_command(cfg.rollout.vllm, "/m", 1, routed_experts=False, original_logprob=True)
     assert "raw_logprobs" in raw and "--enable-return-routed-experts" not in raw
     os.environ.setdefault("MS_TEST_VLLM_KEY", "k" * 32)

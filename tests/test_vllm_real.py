@@ -147,16 +147,21 @@ def test_disk_reload_fault_and_the_extension(world, ref):
                 assert await served_error(c, model) < TOL
                 assert await c.weight_version() == path.name
             await c.update_weights_from_disk(str(world["a"]), weight_version="default")
-            # no extension on a CPU build: refused before anything is loaded, naming the launcher
+            # a reload that fails on the worker comes back per worker (the extension never raises: vLLM's multiprocess
+            # executor would leave the other workers' answers queued); the engine goes on serving what it had
+            with pytest.raises(EngineError, match=r"reload failed on 1 of 1 workers .*no \*\.safetensors"):
+                await c.update_weights_from_disk(str(world["root"] / "no_such_dir"), weight_version="x")
+            assert await served_error(c, a) < TOL
+            # no extension on a CPU build (the server's own config says so): refused before anything is loaded
             bare = client(world)
-            bare._reload = None
-            orig = bare._post
+            real_get = bare._get_object
 
-            async def no_extension(path, payload=None, **q):
-                if payload and payload.get("method") == "megatron_search_extension":
-                    payload = {**payload, "method": "megatron_search_extension_absent"}
-                return await orig(path, payload, **q)
-            bare._post = no_extension
+            async def without_extension(path):
+                body = await real_get(path)
+                if path.startswith("/server_info"):
+                    body["vllm_config"]["parallel_config"]["worker_extension_cls"] = ""
+                return body
+            bare._get_object = without_extension
             with pytest.raises(EngineError, match="rollout.vllm.launcher"):
                 await bare.update_weights_from_disk(str(world["b"]), weight_version="x")
             await bare.close()

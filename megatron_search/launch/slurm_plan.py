@@ -82,13 +82,14 @@ def vllm_argv(cfg: Config, model_path: str, port: int, gpus: list[int], engine_i
     the training nodes (0.0.0.0 on the private network: vLLM's RL routes are not guarded by its key), seeded per
     engine, dummy weights unless rollout.vllm.model_path is set (the policy arrives by weight sync first)."""
     # start-up: rollout clients, +0.11 s on launch-plan
-    from megatron_search.rollout.vllm.client import serve_argv, vllm_command
+    from megatron_search.rollout.vllm.client import serve_argv, vllm_command, vllm_language_only
 
     colocated = cfg.rollout.mode == "colocated"  # memory is released only when sharing GPUs with training
     v = cfg.rollout.vllm.model_copy(update={"host": "0.0.0.0",
                                             "enable_sleep_mode": colocated and cfg.rollout.vllm.enable_sleep_mode})
     inner = vllm_command(v, model_path, port, routed_experts=cfg.grpo.wants_routed_experts(),
-                         seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob)
+                         seed=cfg.run.seed + engine_index, original_logprob=cfg.rollout.return_original_logprob,
+                         language_model_only=vllm_language_only(cfg))
     if not cfg.rollout.vllm.model_path:  # the policy is pushed before the first rollout
         inner += ["--load-format", "dummy"]
     if not cfg.rollout.vllm.python:

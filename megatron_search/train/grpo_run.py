@@ -246,7 +246,7 @@ class GRPORun:
             g = self.cfg.grpo
             metrics = forward_metrics(self.trainer.ddp, local, groups=self.ctx.groups, policy_loss=self.policy_loss,
                                       aggregation=g.loss_aggregation, batching=self.batching,
-                                      temperature=training_temperature(self.cfg.rollout),
+                                      replay=g.routing_replay, temperature=training_temperature(self.cfg.rollout),
                                       check_values=g.check_loss_values)
             self._check_served_weights(step, metrics)
             self.metrics["train/mismatch_kl_k3"] = metrics.get("mismatch_kl_k3", float("nan"))

@@ -48,7 +48,7 @@ def global_denominator(mbs: list[RolloutBatch], aggregation: str, dp_group) -> f
 def make_forward_step(policy_loss: Callable, aggregation: str, denominator: float, scale: float, tp_group,
                       logp_old_mbs: Optional[list[torch.Tensor]] = None, capture: Optional[list] = None,
                       replay=None, agreement=None, temperature: float = 1.0, check_values: bool = True,
-                      norm_tokens: Optional[int] = None):
+                      norm_tokens: Optional[int] = None, forward_only: bool = False):
     """forward_step_func for megatron.core.pipeline_parallel's schedules.
 
     `check_values`: the fused logprob checks the targets' range (host syncs; grpo.check_loss_values).
@@ -73,7 +73,7 @@ def make_forward_step(policy_loss: Callable, aggregation: str, denominator: floa
         s = mb.tokens_BS.shape[1]
         position_ids = torch.arange(s, device=mb.tokens_BS.device).unsqueeze(0).expand_as(mb.tokens_BS)
         if replay is not None:  # route every token to the experts the engine used for it, recomputation included
-            replay.set_targets(mb.routed_experts_BSLK, backward=capture is None)
+            replay.set_targets(mb.routed_experts_BSLK, backward=capture is None and not forward_only)
         agree = None
         if agreement is not None:
             with ExpertRecorder([model]) as rec:
@@ -282,17 +282,28 @@ def policy_update(chunks: list, optimizer, batch: RolloutBatch, *, groups, polic
 
 
 def forward_metrics(chunks: list, batch: RolloutBatch, *, groups, policy_loss: Callable, aggregation: str,
-                    batching: Batching, temperature: float = 1.0, check_values: bool = True) -> dict[str, float]:
+                    batching: Batching, replay: bool = True, temperature: float = 1.0,
+                    check_values: bool = True) -> dict[str, float]:
     """The loss's metrics of this rank's share of `batch` from a forward pass alone (no gradient, no optimizer step;
     identical on every rank): the train-inference mismatch of rollouts that train nothing, for grpo.max_mismatch_kl
-    on a step without signal. The engine's experts are not forced (the natural routing's logprobs)."""
+    on a step without signal. With routed experts and `replay` the engine's experts are forced, as in the first
+    update of a step that trains, so both measure the same quantity."""
     tp_group = groups.tp if size_of(groups.tp) > 1 else None
     config = unwrap(chunks[0]).config
     (mbs,) = plan_microbatches(batch, 1, batching, shape_rule(config, size_of(groups.dp)), groups.dp)
-    fs = make_forward_step(policy_loss, aggregation, denominator=1.0, scale=1.0, tp_group=tp_group,
-                           temperature=temperature, check_values=check_values, norm_tokens=batch.tokens_BS.shape[1])
-    with torch.no_grad():
-        out = run_schedule(chunks, fs, mbs, forward_only=True)
+    replay_ctl = None
+    if batch.routed_experts_BSLK is not None and replay:
+        replay_ctl = RoutingReplay(chunks, batch.moe_layers(), tp_rank=rank_in(groups.tp), tp_size=size_of(groups.tp),
+                                   sequence_parallel=config.sequence_parallel)
+    fs = make_forward_step(policy_loss, aggregation, denominator=1.0, scale=1.0, tp_group=tp_group, replay=replay_ctl,
+                           temperature=temperature, check_values=check_values, norm_tokens=batch.tokens_BS.shape[1],
+                           forward_only=True)
+    try:
+        with torch.no_grad():
+            out = run_schedule(chunks, fs, mbs, forward_only=True)
+    finally:
+        if replay_ctl is not None:
+            replay_ctl.clear()
     return reduce_metrics(out, groups.pp, groups.dp, is_last_stage(groups))
 
 

@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from megatron_search.config.hf import Architecture
 from megatron_search.distributed import collectives as coll
 from megatron_search.distributed.init import free_port
+from megatron_search.rollout.engine.base import EngineError
 from megatron_search.rollout.sglang.weight_group import FLAT, close_weight_group, open_weight_group, send_flat_bucket
 from megatron_search.weights.export import HFExporter, StagedRounds, StagingBuffers
 from megatron_search.weights.send_plan import Destination, LinkCosts, colocated_destinations, disaggregated_destination
@@ -146,14 +147,21 @@ class WeightSync:
         try:
             if self.mode == "distributed":
                 self._open_groups(plan)
-            self._barrier()
+            if self.mode == "disk":  # what a crashed push of the same version left would be loaded too
+                for d in controlled:
+                    shutil.rmtree(self._disk_paths(d, tag)[0], ignore_errors=True)
+            self._barrier()  # before any sender writes
             self._deliver_rounds(exporter, tag)
             self._barrier()
-            for d in controlled:
-                self._run(self._finish(d, tag))
+            failure = None
+            try:
+                for d in controlled:
+                    self._run(self._finish(d, tag))
+            except EngineError as e:  # held until every rank knows: the others would wait in the barrier below
+                failure = f"{type(e).__name__}: {e}"
         finally:
             self._run(self._control(controlled, "continue"))
-        self._barrier()
+        self._raise_if_any_failed(failure, tag)
         sent = plan.sent_bytes()
         return SyncStats(tag, exporter.total_bytes, len(plan.rounds), time.perf_counter() - start,
                          sent[self.rank], sent, plan.peak_extra_bytes()[self.rank],
@@ -277,6 +285,22 @@ class WeightSync:
     def _my_group_name(self) -> str:
         return f"{self.group_name}_r{self.rank}"
 
+    def _raise_if_any_failed(self, failure: Optional[str], tag: str) -> None:
+        """The push's end on every rank alike: a load that failed on a controlling rank (an engine refused or
+        failed its weights) raises WeightLoadError on every rank (one flag all-reduced, then the messages), in
+        place of the final barrier, so no rank waits in a collective the others left."""
+        failed = torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64)
+        if dist.is_initialized() and self.world > 1:
+            coll.all_reduce(failed, group=self.world_group)
+        if not failed.item():
+            return
+        messages = [failure]
+        if dist.is_initialized() and self.world > 1:
+            messages = [None] * self.world
+            dist.all_gather_object(messages, failure, group=self.world_group)
+        why = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise WeightLoadError(f"weight push v{tag}: the engines did not load it ({why})")
+
     def _barrier(self) -> None:
         if dist.is_initialized() and self.world > 1:
             coll.barrier(group=self.world_group)
@@ -385,6 +409,10 @@ class WeightSync:
         for old in final.parent.glob("weights_v*"):  # keep only the version the engines now serve
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+class WeightLoadError(RuntimeError):
+    """A push whose weights an engine refused or failed to load, raised on every rank (WeightSync.push)."""
 
 
 def destinations_for(rank_node: Sequence[int], engine_node: Optional[Sequence[int]], n_engines: int,

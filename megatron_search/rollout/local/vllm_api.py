@@ -31,6 +31,7 @@ from megatron_search.rollout.local.engine import LocalEngine
 from megatron_search.rollout.local.http_input import BadRequest, check_value, field, list_field, read_json
 from megatron_search.rollout.local.weights import load_named_tensors, read_safetensors_dir
 from megatron_search.rollout.vllm.client import GENERATE_ROUTE, encode_npy_experts
+from megatron_search.rollout.vllm.launcher import EXTENSION
 
 VLLM_GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # vllm/entrypoints/serve/middleware/authenticate.py
 ROUTED_EXPERTS_KEY = web.AppKey("vllm_routed_experts", bool)  # --enable-return-routed-experts
@@ -314,15 +315,15 @@ async def is_sleeping(request: web.Request, engine: LocalEngine) -> web.Response
     return web.json_response({"is_sleeping": bool(request.app[SLEEP_KEY]["asleep"])})
 
 
-RPC_METHODS = ("reload_weights", "megatron_search_reload_weights", "megatron_search_extension")
+RPC_METHODS = ("reload_weights", "megatron_search_reload_weights")
 
 
 @vllm_handler
 async def collective_rpc(request: web.Request, engine: LocalEngine) -> web.Response:
-    """vLLM's reload_weights(weights_path=...) and our worker extension's two methods (rollout/vllm/worker_ext.py;
+    """vLLM's reload_weights(weights_path=...) and our worker extension's reload (rollout/vllm/worker_ext.py;
     the launcher starts vLLM with it): an in-place reload from an HF safetensors directory, between steps, without
     a flush (vLLM's reload resets LoRA, encoder and multimodal caches, not the prefix cache). Any other method is
-    vLLM's 500 "Method ... is not implemented" (what the client's extension probe reads)."""
+    vLLM's 500 "Method ... is not implemented"."""
     p = request.path
     body = await read_json(request)
     method = field(body, "method", str, where=p)
@@ -331,10 +332,6 @@ async def collective_rpc(request: web.Request, engine: LocalEngine) -> web.Respo
     if field(body, "args", list, [], p):
         raise BadRequest(f"{p}: {method} takes keyword arguments here (kwargs.weights_path)")
     kwargs = field(body, "kwargs", dict, {}, p)
-    if method == "megatron_search_extension":
-        if kwargs:
-            raise BadRequest(f"{p}: megatron_search_extension takes no arguments, got {sorted(kwargs)}", 500)
-        return web.json_response({"results": ["1"]})
     unknown = sorted(set(kwargs) - {"weights_path"})
     if unknown:  # vLLM: a TypeError from the worker method, answered 500
         raise BadRequest(f"Call to collective_rpc method failed: {method}() got unexpected keyword arguments "
@@ -347,6 +344,19 @@ async def collective_rpc(request: web.Request, engine: LocalEngine) -> web.Respo
         load_named_tensors(engine.runner.model, read_safetensors_dir(path))
     await engine._control(run)
     return web.json_response({"results": [None if method == "reload_weights" else {"repacked_layers": 0}]})
+
+
+@vllm_handler
+async def server_info(request: web.Request, engine: LocalEngine) -> web.Response:
+    """vLLM's /server_info?config_format=json, the fields the client reads: the local engine is a CPU server that
+    runs our worker extension (what the launcher starts)."""
+    if request.query.get("config_format", "text") not in ("text", "json"):
+        raise BadRequest(f"{request.path}: config_format must be text or json")
+    config = {"device_config": {"device": "cpu"}, "parallel_config": {"worker_extension_cls": EXTENSION},
+              "model_config": {"model": str(engine.model_path)}}
+    if request.query.get("config_format", "text") == "text":
+        config = f"model='{engine.model_path}', device_config=cpu, worker_extension_cls={EXTENSION}"
+    return web.json_response({"vllm_config": config})
 
 
 @vllm_handler
@@ -378,5 +388,5 @@ def add_vllm_routes(app: web.Application, engine: LocalEngine, api_key: Optional
                      "/collective_rpc": collective_rpc}.items():
         app.router.add_post(path, fn)
     for path, fn in {"/is_paused": is_paused, "/weight_info": weight_info, "/is_sleeping": is_sleeping,
-                     "/health": health, "/v1/models": models}.items():
+                     "/health": health, "/v1/models": models, "/server_info": server_info}.items():
         app.router.add_get(path, fn)

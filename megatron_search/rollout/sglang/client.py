@@ -92,7 +92,7 @@ class SGLangClient(Engine):
         except (aiohttp.ClientError, OSError) as e:
             raise EngineUnreachable(f"{url}: {type(e).__name__}: {e}") from e
         finally:
-            self._inflight[sess] -= 1
+            self._inflight[sess] = self._inflight.get(sess, 1) - 1  # close() may have forgotten it meanwhile
         if status >= 500:
             self._retire(sess)
         await self._close_retired()
@@ -122,8 +122,9 @@ class SGLangClient(Engine):
             self._retired.append(sess)
 
     async def _close_retired(self) -> None:
-        for sess in [r for r in self._retired if not self._inflight.get(r)]:
-            self._retired.remove(sess)
+        idle = [r for r in self._retired if not self._inflight.get(r)]  # detached before any await: concurrent
+        self._retired = [r for r in self._retired if r not in idle]    # callers never close the same session twice
+        for sess in idle:
             self._inflight.pop(sess, None)
             await sess.close()
 

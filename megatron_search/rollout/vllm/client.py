@@ -53,6 +53,7 @@ from megatron_search.rollout.engine.process import ENGINE_PORT_STRIDE, ServerPro
 from megatron_search.rollout.engine.base import LOCAL_ENGINE_NAME
 from megatron_search.rollout.sglang.client import SGLangClient
 from megatron_search.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from megatron_search.rollout.vllm.launcher import EXTENSION
 
 GENERATE_ROUTE = "/inference/v1/generate"
 LAUNCHER = "megatron_search.rollout.vllm.launcher"
@@ -159,40 +160,53 @@ class VLLMClient(SGLangClient):
         method = await self._reload_method()
         if abort_all_requests:
             await self._post("/abort_requests", {})
-        await self._post("/collective_rpc", {"method": method, "kwargs": {"weights_path": str(model_path)}})
+        self._check_reload(method, await self._post("/collective_rpc", {"method": method,
+                                                                         "kwargs": {"weights_path": str(model_path)}}))
         await self.flush_cache()
         if weight_version is not None:
             await self.update_weight_version(str(weight_version), abort_all_requests=False)
 
     async def _reload_method(self) -> str:
-        """The /collective_rpc method of a disk reload, asked once: our worker extension's (rollout/vllm/worker_ext.py,
-        which the launcher adds) where the server answers its probe; vLLM's own `reload_weights` otherwise, except on
-        vLLM's CPU build, whose reload leaves the MoE experts in the wrong layout (the engine would serve weights that
-        are neither the old nor the new ones): that server is refused."""
+        """The /collective_rpc method of a disk reload, read once from the server's own config (/server_info, JSON):
+        our worker extension's (rollout/vllm/worker_ext.py, which the launcher adds) where the server runs it; vLLM's
+        own `reload_weights` otherwise, except on vLLM's CPU build, whose reload leaves the MoE experts in the wrong
+        layout (the engine would serve weights that are neither the old nor the new ones): that server is refused.
+        (Not a probe RPC: on vLLM's multiprocess executor a failed worker call leaves the other workers' answers
+        queued for the next one.)"""
         if self._reload is None:
-            try:
-                await self._post("/collective_rpc", {"method": "megatron_search_extension"})
+            body = await self._get_object("/server_info?config_format=json")
+            vc = body.get("vllm_config")
+            if not isinstance(vc, dict):
+                raise MalformedReply(f"{self.base_url}/server_info: no vllm_config object in {str(body)[:200]!r}")
+            ext = (vc.get("parallel_config") or {}).get("worker_extension_cls") or ""
+            device = (vc.get("device_config") or {}).get("device")
+            if ext == EXTENSION:
                 self._reload = "megatron_search_reload_weights"
-            except (EngineUnreachable, EngineTimeout, MalformedReply):
-                raise
-            except EngineError as e:
-                if "is not implemented" not in str(e):
-                    raise
-                if await self._cpu_build():
-                    raise EngineError(
-                        f"{self.base_url}: vLLM's CPU build without megatron-search's worker extension: its "
-                        "reload_weights does not pre-pack the MoE experts again (UnquantizedFusedMoEMethod runs "
-                        "process_weights_after_loading on the first load only), so the served experts would not be "
-                        "the pushed ones. Start it with `python -m megatron_search.rollout.vllm.launcher serve ...` "
-                        "(rollout.vllm.python does) or pass --worker-extension-cls "
-                        "megatron_search.rollout.vllm.worker_ext.MegatronSearchWorkerExtension") from None
+            elif device == "cpu":
+                raise EngineError(
+                    f"{self.base_url}: vLLM's CPU build without megatron-search's worker extension (it runs "
+                    f"{ext or 'none'}): its reload_weights does not pre-pack the MoE experts again "
+                    "(UnquantizedFusedMoEMethod runs process_weights_after_loading on the first load only), so the "
+                    "served experts would not be the pushed ones. Start it with `python -m "
+                    "megatron_search.rollout.vllm.launcher serve ...` (rollout.vllm.python does) or pass "
+                    f"--worker-extension-cls {EXTENSION}")
+            else:
                 self._reload = "reload_weights"
         return self._reload
 
-    async def _cpu_build(self) -> bool:
-        """vLLM's /server_info (dev mode) prints its config: a CPU build's device_config is cpu."""
-        body = await self._get_object("/server_info")
-        return "device_config=cpu" in str(body.get("vllm_config", ""))
+    def _check_reload(self, method: str, body: Any) -> None:
+        """Every worker's answer to the reload: our extension answers {"repacked_layers": n} or {"error": ...} per
+        worker (it never raises, see worker_ext.py); vLLM's reload_weights answers nothing (HTTP 200, no body)."""
+        if method != "megatron_search_reload_weights":
+            return
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise MalformedReply(f"{self.base_url}/collective_rpc {method}: expected one object per worker, got "
+                                 f"{str(body)[:200]!r}")
+        failed = [(i, r["error"]) for i, r in enumerate(results) if "error" in r]
+        if failed:
+            raise EngineError(f"{self.base_url}: the weight reload failed on {len(failed)} of {len(results)} workers "
+                              f"(worker {failed[0][0]}: {failed[0][1]})")
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None, flush_cache=True,
                                          abort_all_requests=False):
@@ -381,10 +395,13 @@ def encode_npy_experts(experts_NLK: np.ndarray) -> str:
 # --- processes ------------------------------------------------------------------------------------
 
 def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int = 0,
-                 original_logprob: bool = False) -> list[str]:
+                 original_logprob: bool = False, language_model_only: bool = False) -> list[str]:
     """argv of one server from a `VLLMConfig` (vLLM 0.33.0 flags): `rollout.vllm.python` (or this interpreter) running
     our launcher (rollout/vllm/launcher.py: `vllm serve` plus our worker extension). No key here: the server reads
-    $VLLM_API_KEY (vllm_env)."""
+    $VLLM_API_KEY (vllm_env). `language_model_only` (Qwen3.5, a vision-language class in vLLM: `vllm_language_only`):
+    --language-model-only, without which vLLM builds the multimodal processor at start-up, and that needs the
+    tokenizer --skip-tokenizer-init leaves out (multimodal/processing/processor.py); it also keeps no vision tower
+    that the pushes (text weights) would never fill."""
     argv = [
         v.python or sys.executable, "-m", LAUNCHER, "serve", model_path,
         "--host", v.host, "--port", str(port),
@@ -397,6 +414,8 @@ def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int 
         "--skip-tokenizer-init",  # token ids in and out: the weight-sync directories carry no tokenizer
         "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
+    if language_model_only:
+        argv.append("--language-model-only")
     if v.enable_expert_parallel:
         argv.append("--enable-expert-parallel")
     if v.enable_sleep_mode:
@@ -406,6 +425,12 @@ def vllm_command(v, model_path: str, port: int, routed_experts: bool, seed: int 
     if v.max_model_len:
         argv += ["--max-model-len", str(v.max_model_len)]
     return argv + list(v.extra_args)
+
+
+def vllm_language_only(cfg) -> bool:
+    """Whether the served model is a vision-language class in vLLM whose text model we train (Qwen3.5:
+    Qwen3_5MoeForConditionalGeneration)."""
+    return cfg.model.architecture.model_type == "qwen3_5_moe"
 
 
 def vllm_env(key_env: str, base: Optional[dict] = None, python: Optional[str] = None) -> dict:
@@ -451,7 +476,8 @@ def launch_vllm_servers(cfg, output_dir: str | Path, model_path: Optional[str] =
             ids = visible.split(",") if visible else [str(g) for g in range(gpus * cfg.rollout.num_engines)]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i * gpus:(i + 1) * gpus])  # vLLM has no --base-gpu-id
             argv = vllm_command(v, model_path, port, routed_experts, seed=cfg.model.seed + i,
-                                original_logprob=cfg.rollout.return_original_logprob)
+                                original_logprob=cfg.rollout.return_original_logprob,
+                                language_model_only=vllm_language_only(cfg))
             if dummy:
                 argv += ["--load-format", "dummy"]
             servers.append(ServerProcess(argv, Path(output_dir) / v.log_dir / f"server_{i}.log", env))

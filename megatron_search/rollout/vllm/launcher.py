@@ -36,8 +36,10 @@ def serve_argv(argv: list[str]) -> list[str]:
     return [*argv, "--worker-extension-cls", EXTENSION]
 
 
-# At import, not in main(): the processes vLLM spawns import this module as __main__ and look the version up too.
-metadata.version = _vllm_version
+# At import as a program, not in main(): the processes vLLM spawns import this module as __mp_main__ and look the
+# version up too. Imported as a library (the client reads EXTENSION) it changes nothing.
+if __name__ in ("__main__", "__mp_main__"):
+    metadata.version = _vllm_version
 
 
 def main() -> None:

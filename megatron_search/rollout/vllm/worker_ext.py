@@ -15,19 +15,26 @@ also reloads a server started with dummy weights, which vLLM's own reload cannot
 """
 from __future__ import annotations
 
-import torch
+import glob
+import os
 
-EXTENSION_VERSION = "1"
+import torch
 
 
 class MegatronSearchWorkerExtension:
     """Mixed into vLLM's worker class by vLLM itself (worker_base.py adds it to the worker's bases)."""
 
-    def megatron_search_extension(self) -> str:
-        """The extension's version: the client asks once whether the server has it."""
-        return EXTENSION_VERSION
-
     def megatron_search_reload_weights(self, weights_path: str) -> dict:
+        """The reload (`_megatron_search_reload`), its failure returned, never raised: vLLM's multiprocess executor stops reading the
+        workers' replies at the first failed one, so a raise on one worker leaves the others' replies queued for the
+        next RPC, which then answers one call behind (multiproc_executor.get_response). {"error": ...} instead; the
+        client reads every worker's answer."""
+        try:
+            return self._megatron_search_reload(weights_path)
+        except Exception as e:  # noqa: BLE001 (reported to the client, per worker)
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def _megatron_search_reload(self, weights_path: str) -> dict:
         """`reload_weights(weights_path=...)`, then the CPU experts' pre-pack that vLLM's reload skips. Returns
         {"repacked_layers": n} (0 on builds without CPU experts).
 
@@ -35,6 +42,11 @@ class MegatronSearchWorkerExtension:
         0.32 / 0.33: the reload asks that format's loader for get_all_weights, which only file loaders have
         ("Model reloading with `dummy` format", a 500 at the first push; measured). The pushes are safetensors
         directories, so the reload reads them as such."""
+        # checked before vLLM's reload touches the model: the reload is not transactional (it moves each layer to
+        # the meta device first), so one that fails halfway leaves an engine that dies on its next request
+        files = glob.glob(os.path.join(weights_path, "*.safetensors"))
+        if not files:
+            return {"error": f"no *.safetensors in {weights_path!r}: nothing was loaded"}
         load = self.model_runner.vllm_config.load_config
         if load.load_format == "dummy":
             load.load_format = "safetensors"
@@ -46,10 +58,10 @@ def repack_cpu_experts(model) -> int:
     """Pre-pack (vLLM's `cpu_prepack_moe_weight`) every unquantized CPU-kernel MoE layer of `model` whose weights a
     reload just copied in, in place (the parameters keep their storage). Raises where the layout would be wrong."""
     try:
-        # optional: vllm (this runs only inside a vLLM server's worker; a GPU build has no CPU experts to re-pack)
+        # optional: vllm (this runs only inside a vLLM server's worker)
         from vllm._custom_ops import cpu_prepack_moe_weight
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a GPU build: nothing is pre-packed on load
+    except ImportError:  # a vLLM without the CPU MoE kernels: nothing is pre-packed on load
         return 0
     n = 0
     for name, layer in model.named_modules():
